@@ -1,0 +1,1 @@
+pub struct CowWriter; pub struct WriterOptions; pub struct CowSizeInfo;
