@@ -247,12 +247,16 @@ pub fn decompress(codec: Codec, input: &[u8], out: &mut [u8]) -> Result<(), Stri
             let mut extra = [0u8; 1];
             match dec.read(&mut extra) {
                 Ok(0) => Ok(()),
-                Ok(_) => Err(format!("brotli stream decodes to more than {} bytes", out.len())),
+                Ok(_) => Err(format!(
+                    "brotli stream decodes to more than {} bytes",
+                    out.len()
+                )),
                 Err(e) => Err(format!("brotli: {e}")),
             }
         }
         Codec::Lz4 => {
-            let n = lz4_flex::block::decompress_into(input, out).map_err(|e| format!("lz4: {e}"))?;
+            let n =
+                lz4_flex::block::decompress_into(input, out).map_err(|e| format!("lz4: {e}"))?;
             check_len(n, out.len())
         }
         Codec::Zstd => ZSTD_DCTX.with(|cell| {
@@ -284,12 +288,20 @@ mod tests {
     use super::*;
 
     fn sample(n: usize) -> Vec<u8> {
-        (0..n).map(|i| ((i / 7) % 251) as u8 ^ (i % 3) as u8).collect()
+        (0..n)
+            .map(|i| ((i / 7) % 251) as u8 ^ (i % 3) as u8)
+            .collect()
     }
 
     #[test]
     fn round_trip_every_codec() {
-        for codec in [Codec::None, Codec::Gz, Codec::Brotli, Codec::Lz4, Codec::Zstd] {
+        for codec in [
+            Codec::None,
+            Codec::Gz,
+            Codec::Brotli,
+            Codec::Lz4,
+            Codec::Zstd,
+        ] {
             for size in [4096usize, 65536] {
                 let input = sample(size);
                 let mut enc = Encoder::new(Compression::new(codec), size);

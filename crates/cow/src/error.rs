@@ -27,7 +27,9 @@ pub enum CowError {
         msg: String,
     },
     /// A payload could not be decoded.
-    #[error("{path}: offset {offset}: cannot decode {codec} payload of {kind} op for new block {new_block}: {msg}")]
+    #[error(
+        "{path}: offset {offset}: cannot decode {codec} payload of {kind} op for new block {new_block}: {msg}"
+    )]
     Decode {
         path: PathBuf,
         offset: u64,
@@ -80,7 +82,9 @@ pub enum MergeOrderError {
         new_block: u64,
         replace_at: usize,
     },
-    #[error("sequence entry {index} names new block {new_block}, which has no COPY/XOR/REPLACE/ZERO op")]
+    #[error(
+        "sequence entry {index} names new block {new_block}, which has no COPY/XOR/REPLACE/ZERO op"
+    )]
     MissingSequenceOp { index: usize, new_block: u64 },
 }
 

@@ -33,9 +33,10 @@ pub fn merge_order(
         let mut in_seq = HashSet::with_capacity(sequence.len());
         for (index, &b) in sequence.iter().enumerate() {
             let b = u64::from(b);
-            let &i = first
-                .get(&b)
-                .ok_or(MergeOrderError::MissingSequenceOp { index, new_block: b })?;
+            let &i = first.get(&b).ok_or(MergeOrderError::MissingSequenceOp {
+                index,
+                new_block: b,
+            })?;
             order.push(i);
             in_seq.insert(b);
         }
@@ -52,8 +53,12 @@ pub fn merge_order(
     if major_version >= 3 {
         return Ok((0..ops.len()).collect());
     }
-    let mut order: Vec<usize> = (0..ops.len()).filter(|&i| ops[i].kind.is_ordered()).collect();
-    let mut rest: Vec<usize> = (0..ops.len()).filter(|&i| !ops[i].kind.is_ordered()).collect();
+    let mut order: Vec<usize> = (0..ops.len())
+        .filter(|&i| ops[i].kind.is_ordered())
+        .collect();
+    let mut rest: Vec<usize> = (0..ops.len())
+        .filter(|&i| !ops[i].kind.is_ordered())
+        .collect();
     rest.sort_by_key(|&i| ops[i].new_block);
     order.extend(rest);
     Ok(order)

@@ -106,9 +106,9 @@ impl<'a> MetaReader<'a> {
     }
 
     fn read(&mut self, offset: u64, len: usize, what: &str) -> Result<&[u8]> {
-        let end = offset.checked_add(len as u64).ok_or_else(|| {
-            format_err(self.path, offset, format!("{what}: offset overflows"))
-        })?;
+        let end = offset
+            .checked_add(len as u64)
+            .ok_or_else(|| format_err(self.path, offset, format!("{what}: offset overflows")))?;
         if end > self.size {
             return Err(format_err(
                 self.path,
@@ -271,11 +271,9 @@ impl CowReader {
     /// Check that merging op by op in merge order is safe (`VerifyMergeOps`).
     pub fn verify_merge(&self) -> Result<()> {
         let order = self.merge_order()?;
-        merge::verify_order(order.iter().map(|&i| &self.ops[i])).map_err(|e| {
-            CowError::MergeOrder {
-                path: self.path.clone(),
-                source: e,
-            }
+        merge::verify_order(order.iter().map(|&i| &self.ops[i])).map_err(|e| CowError::MergeOrder {
+            path: self.path.clone(),
+            source: e,
         })
     }
 
@@ -298,12 +296,15 @@ impl CowReader {
         let raw = self.is_stored_raw(op);
         if raw {
             if len != unit {
-                return Err(self.decode_err(op, format!("raw payload is {len} bytes, expected {unit}")));
+                return Err(
+                    self.decode_err(op, format!("raw payload is {len} bytes, expected {unit}"))
+                );
             }
-            return self
-                .file
-                .read_exact_at(out, op.data_offset)
-                .map_err(io_err(&self.path, "read payload", op.data_offset));
+            return self.file.read_exact_at(out, op.data_offset).map_err(io_err(
+                &self.path,
+                "read payload",
+                op.data_offset,
+            ));
         }
         thread_local! {
             static SCRATCH: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
@@ -498,7 +499,11 @@ impl CowReader {
             match r.op_type {
                 op_type::CLUSTER => {
                     if n == 0 {
-                        return Err(format_err(&path, rec_off, "CLUSTER op in a non-clustered COW"));
+                        return Err(format_err(
+                            &path,
+                            rec_off,
+                            "CLUSTER op in a non-clustered COW",
+                        ));
                     }
                     check48(r.source, "cluster skip")?;
                     tail.cluster_start = next_inline + r.source;
@@ -643,24 +648,26 @@ impl CowReader {
             ));
         }
         let op_start = resume_start + RESUME_POINT_SIZE as u64 * u64::from(h.resume_point_max);
+        // The op array may be sparse on disk (AOSP never writes unused
+        // slots), so only the records in use must lie inside the file.
         let op_array = h
             .op_count_max
             .checked_mul(u64::from(OP_SIZE_V3))
-            .filter(|&b| b <= self.file_size)
             .ok_or_else(|| too_big("op_count_max", 62))?;
-        let data_start = op_start + op_array;
+        let data_start = op_start
+            .checked_add(op_array)
+            .ok_or_else(|| too_big("op_count_max", 62))?;
         self.data_start = data_start;
         if h.op_count > h.op_count_max {
             return Err(format_err(
                 &path,
                 54,
-                format!("op_count {} exceeds op_count_max {}", h.op_count, h.op_count_max),
+                format!(
+                    "op_count {} exceeds op_count_max {}",
+                    h.op_count, h.op_count_max
+                ),
             ));
         }
-        if data_start > self.file_size {
-            return Err(too_big("the op array", op_start));
-        }
-
         // Sequence buffer.
         if seq_bytes > 0 {
             let data = meta.read(seq_start, seq_bytes as usize, "sequence buffer")?;
@@ -681,13 +688,14 @@ impl CowReader {
         }
         let mut op_count = h.op_count;
         if let Some(l) = label {
-            let p = points
-                .iter()
-                .find(|p| p.label == l)
-                .ok_or_else(|| CowError::LabelNotFound {
-                    path: path.clone(),
-                    label: l,
-                })?;
+            let p =
+                points
+                    .iter()
+                    .find(|p| p.label == l)
+                    .ok_or_else(|| CowError::LabelNotFound {
+                        path: path.clone(),
+                        label: l,
+                    })?;
             if p.op_index > h.op_count_max {
                 return Err(format_err(
                     &path,
@@ -710,17 +718,32 @@ impl CowReader {
             })
             .collect();
 
+        // Bounds the allocation below by the file size.
+        let records_end = op_count
+            .checked_mul(u64::from(OP_SIZE_V3))
+            .and_then(|b| b.checked_add(op_start));
+        if records_end.is_none_or(|e| e > self.file_size) {
+            return Err(too_big("op_count records", 54));
+        }
         self.ops.reserve_exact(op_count as usize);
         let mut cursor = data_start;
         for i in 0..op_count {
             let off = op_start + i * u64::from(OP_SIZE_V3);
             let r = RecordV3::decode(meta.read(off, OP_SIZE_V3 as usize, "op record")?);
             if r.reserved() != 0 {
-                return Err(format_err(&path, off, "reserved bits 48-56 of source_info are set"));
+                return Err(format_err(
+                    &path,
+                    off,
+                    "reserved bits 48-56 of source_info are set",
+                ));
             }
             let t = r.op_type();
             let kind = OpKind::from_type_id(t).ok_or_else(|| {
-                format_err(&path, off, format!("op type {t} is not valid in a v3 op record"))
+                format_err(
+                    &path,
+                    off,
+                    format!("op type {t} is not valid in a v3 op record"),
+                )
             })?;
             let e = r.exponent();
             if e != 0 && (kind != OpKind::Replace || e > max_exp) {
@@ -830,8 +853,11 @@ pub(crate) fn read_header(file: &File, path: &Path, file_size: u64) -> Result<He
             format!("truncated: header needs {header_size} bytes, file is {file_size}"),
         ));
     }
-    file.read_exact_at(&mut raw[PREFIX_SIZE..usize::from(header_size)], PREFIX_SIZE as u64)
-        .map_err(io_err(path, "read header", PREFIX_SIZE as u64))?;
+    file.read_exact_at(
+        &mut raw[PREFIX_SIZE..usize::from(header_size)],
+        PREFIX_SIZE as u64,
+    )
+    .map_err(io_err(path, "read header", PREFIX_SIZE as u64))?;
     let (_, h) = Header::decode(&raw);
     let bad = |off: u64, msg: String| Err(format_err(path, off, msg));
     if !(1..=3).contains(&h.major_version) {
@@ -860,7 +886,10 @@ pub(crate) fn read_header(file: &File, path: &Path, file_size: u64) -> Result<He
         if h.header_size != HEADER_SIZE_V1 && h.header_size != HEADER_SIZE_V2 {
             return bad(
                 12,
-                format!("v{} header_size {} is not 34 or 38", h.major_version, h.header_size),
+                format!(
+                    "v{} header_size {} is not 34 or 38",
+                    h.major_version, h.header_size
+                ),
             );
         }
         if h.footer_size != FOOTER_SIZE_V2 || h.op_size != OP_SIZE_V2 {

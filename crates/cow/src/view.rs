@@ -69,7 +69,10 @@ impl<'a> SnapshotView<'a> {
         if buf.len() % BLOCK_SIZE != 0 {
             return Err(CowError::Usage {
                 path: self.cow.path().to_path_buf(),
-                msg: format!("read_blocks: buffer of {} bytes is not whole blocks", buf.len()),
+                msg: format!(
+                    "read_blocks: buffer of {} bytes is not whole blocks",
+                    buf.len()
+                ),
             });
         }
         let end = start + (buf.len() / BLOCK_SIZE) as u64;
@@ -141,7 +144,12 @@ impl<'a> SnapshotView<'a> {
 
     /// Write the whole new image to `out` (which must be empty or sized by
     /// the caller), in parallel 1 MiB chunks. `progress` gets byte counts.
-    pub fn write_to(&self, out: &File, out_path: &Path, progress: &(dyn Fn(u64) + Sync)) -> Result<()> {
+    pub fn write_to(
+        &self,
+        out: &File,
+        out_path: &Path,
+        progress: &(dyn Fn(u64) + Sync),
+    ) -> Result<()> {
         const CHUNK: u64 = 1 << 20;
         let chunks = self.size.div_ceil(CHUNK);
         let done = AtomicU64::new(0);

@@ -21,7 +21,11 @@ fn cow_files() -> Vec<PathBuf> {
         .filter(|p| p.extension().is_some_and(|e| e == "cow"))
         .collect();
     v.sort();
-    assert!(v.len() >= 12, "expected the 12 AOSP vectors, found {}", v.len());
+    assert!(
+        v.len() >= 12,
+        "expected the 12 AOSP vectors, found {}",
+        v.len()
+    );
     v
 }
 
@@ -44,7 +48,12 @@ fn every_vector_reproduces_expected_image() {
         let cow = CowReader::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         let img = snapshot(&cow);
         assert_eq!(img.len(), 4 << 20, "{}", path.display());
-        assert_eq!(hex(&Sha256::digest(&img)), EXPECTED_SHA, "{}", path.display());
+        assert_eq!(
+            hex(&Sha256::digest(&img)),
+            EXPECTED_SHA,
+            "{}",
+            path.display()
+        );
     }
 }
 
@@ -57,11 +66,23 @@ fn reading_in_odd_ranges_matches_whole_read() {
         let base = File::open(&base_path).unwrap();
         let view = SnapshotView::new(&cow, &base, &base_path, None).unwrap();
         // Ranges that start and end inside multi-block REPLACE units.
-        for (start, n) in [(101u64, 3usize), (115, 2), (117, 3), (199, 6), (0, 1), (1023, 1)] {
+        for (start, n) in [
+            (101u64, 3usize),
+            (115, 2),
+            (117, 3),
+            (199, 6),
+            (0, 1),
+            (1023, 1),
+        ] {
             let mut buf = vec![0u8; n * 4096];
             view.read_blocks(start, &mut buf).unwrap();
             let s = start as usize * 4096;
-            assert_eq!(buf, &expected[s..s + buf.len()], "{} at {start}", path.display());
+            assert_eq!(
+                buf,
+                &expected[s..s + buf.len()],
+                "{} at {start}",
+                path.display()
+            );
         }
     }
 }
@@ -106,7 +127,13 @@ fn op_counts_and_headers() {
             assert_eq!(h.resume_point_count, 6);
             let labels: Vec<u64> = cow.labels().iter().map(|l| l.label).collect();
             assert_eq!(labels, vec![3, 4, 5, 6], "{name}");
-            let factor: u32 = name.trim_end_matches(".cow").rsplit('_').next().unwrap().parse().unwrap_or(4096);
+            let factor: u32 = name
+                .trim_end_matches(".cow")
+                .rsplit('_')
+                .next()
+                .unwrap()
+                .parse()
+                .unwrap_or(4096);
             let expected_ops = match factor {
                 4096 => 29,
                 16384 => 16,
@@ -205,7 +232,11 @@ fn aosp_testdata_cow_v2() {
     assert_eq!(cow.ops()[0].source, 5);
     assert_eq!(cow.ops()[1].data_offset, 0x20008A);
     assert_eq!(cow.ops()[2].source, 98314);
-    let labels: Vec<(u64, u64)> = cow.labels().iter().map(|l| (l.label, l.ops_before)).collect();
+    let labels: Vec<(u64, u64)> = cow
+        .labels()
+        .iter()
+        .map(|l| (l.label, l.ops_before))
+        .collect();
     assert_eq!(labels, vec![(1, 2), (2, 13)]);
     let f = cow.footer().unwrap();
     assert_eq!((f.offset, f.num_ops, f.ops_size), (0x20218E, 18, 360));
