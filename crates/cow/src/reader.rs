@@ -426,7 +426,9 @@ impl CowReader {
             if n > 0 {
                 tail.slots_used += 1;
             } else {
+                // Unclustered: a payload follows its own record.
                 tail.cluster_start = next_inline;
+                tail.data_cursor = next_inline;
             }
             if r.op_type == op_type::FOOTER {
                 let trailer = rec_off + rec;

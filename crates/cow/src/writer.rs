@@ -381,6 +381,14 @@ impl CowWriter {
             data_ops: reader.ops().len() as u64,
             data_bytes: reader.data_bytes(),
         };
+        if let State::V2(s) = &w.state
+            && s.n > 0
+            && s.slots_used == s.n - 1
+        {
+            // The label took the last free slot: the original writer closed
+            // the cluster right after it, and so do we.
+            w.close_cluster_v2()?;
+        }
         if let State::V3(s) = &w.state {
             // Clear the records that followed the label, then commit the
             // shortened op count at once, so a crash from here on never
@@ -792,22 +800,29 @@ impl CowWriter {
         }
         s.slots_used += 1;
         if s.slots_used == s.n - 1 {
-            // One slot left: close the cluster with a CLUSTER op that skips
-            // to the next one (just past this cluster's data).
-            let skip = s.data_flushed + s.data.len() as u64;
-            RecordV2 {
-                op_type: op_type::CLUSTER,
-                source: skip,
-                ..Default::default()
-            }
-            .encode_into(&mut s.records);
-            s.records_total += 1;
-            s.slots_used += 1;
-            self.flush_v2(true)?;
+            self.close_cluster_v2()?;
         } else if s.data.len() >= FLUSH_BYTES {
             self.flush_v2(false)?;
         }
         Ok(())
+    }
+
+    /// One slot left: close the cluster with a CLUSTER op that skips to the
+    /// next one, just past this cluster's data.
+    fn close_cluster_v2(&mut self) -> Result<()> {
+        let State::V2(s) = &mut self.state else {
+            unreachable!("v2 state")
+        };
+        let skip = s.data_flushed + s.data.len() as u64;
+        RecordV2 {
+            op_type: op_type::CLUSTER,
+            source: skip,
+            ..Default::default()
+        }
+        .encode_into(&mut s.records);
+        s.records_total += 1;
+        s.slots_used += 1;
+        self.flush_v2(true)
     }
 
     /// Write the current cluster's records (unused slots zeroed) and pending
