@@ -15,6 +15,8 @@
 pub mod codec;
 pub mod error;
 pub mod format;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod merge;
 pub mod reader;
 pub mod view;

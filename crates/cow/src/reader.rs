@@ -227,6 +227,20 @@ impl CowReader {
     pub fn data_bytes(&self) -> u64 {
         self.ops.iter().map(|o| u64::from(o.data_length)).sum()
     }
+    /// Bytes of the base image that COPY and XOR ops read: a base shorter
+    /// than this cannot be the source of this COW.
+    pub fn source_extent(&self) -> u64 {
+        self.ops
+            .iter()
+            .map(|o| match o.kind {
+                OpKind::Copy => (o.source + 1) * BLOCK_SIZE_U64,
+                OpKind::Xor => o.source + BLOCK_SIZE_U64,
+                OpKind::Replace | OpKind::Zero => 0,
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
     /// One past the highest destination block of any op.
     pub fn end_block(&self) -> u64 {
         self.ops.iter().map(Op::end_block).max().unwrap_or(0)

@@ -146,3 +146,47 @@ fn byte_identical_where_the_encoder_is_the_same() {
         assert_eq!(first_diff, None, "{name}: first differing byte");
     }
 }
+
+/// AOSP fixture `incompressible_block`: its zlib stream is exactly 4096
+/// bytes. v2 gz stores it compressed with data_length 4096 and a reader must
+/// still inflate it (for lz4/zstd, 4096 would mean raw). v3 stores it raw.
+#[test]
+fn incompressible_block_v2_gz_is_inflated() {
+    let block = std::fs::read(vectors().join("aosp-testdata/incompressible_block")).unwrap();
+    assert_eq!(block.len(), 4096);
+    let dir = tempfile::tempdir().unwrap();
+    for version in [2u16, 3] {
+        let p = dir.path().join(format!("inc{version}.cow"));
+        let mut w = CowWriter::create(
+            &p,
+            WriterOptions {
+                version,
+                compression: Compression::new(Codec::Gz),
+                compression_factor: 4096,
+                op_count_max: 4,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        w.add_raw_blocks(0, &block).unwrap();
+        w.finalize().unwrap();
+        let r = CowReader::open(&p).unwrap();
+        let op = r.ops()[0];
+        assert_eq!(op.data_length, 4096, "v{version}");
+        let stored = {
+            let mut b = vec![0u8; 4096];
+            r.read_file_at(&mut b, op.data_offset).unwrap();
+            b
+        };
+        if version == 2 {
+            // A zlib stream (0x78 header), not the raw block.
+            assert_eq!(stored[0], 0x78);
+            assert_ne!(stored, block);
+        } else {
+            assert_eq!(stored, block);
+        }
+        let mut out = vec![0u8; 4096];
+        r.read_payload(&op, &mut out).unwrap();
+        assert_eq!(out, block, "v{version}");
+    }
+}

@@ -1,0 +1,118 @@
+//! `vabc apply`: write the snapshot view (base + COW) to a new image.
+
+use std::fs::{File, OpenOptions};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::{Context, Result, bail};
+use cow::{CowReader, SnapshotView};
+
+use crate::progress;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// The old image the COW was made against (file or block device).
+    #[arg(long)]
+    base: PathBuf,
+    /// The COW file.
+    #[arg(long)]
+    cow: PathBuf,
+    /// Where to write the new image. A file is written to a temporary name
+    /// beside it and renamed on success; a block device is written in place.
+    #[arg(short = 'o', long = "output")]
+    output: PathBuf,
+    /// Apply the COW only up to this label (resume point).
+    #[arg(long)]
+    label: Option<u64>,
+    /// Size of the new image in bytes (the format does not record it).
+    /// Default: the base size, extended to cover every op.
+    #[arg(long)]
+    size: Option<u64>,
+}
+
+pub fn run(a: Args) -> Result<ExitCode> {
+    let cow = CowReader::open_with(&a.cow, cow::OpenOptions { label: a.label })
+        .with_context(|| format!("cannot read COW {}", a.cow.display()))?;
+    let base =
+        File::open(&a.base).with_context(|| format!("cannot open base {}", a.base.display()))?;
+    for input in [&a.base, &a.cow] {
+        if same_file(input, &a.output) {
+            bail!(
+                "output {} is the same file as input {}",
+                a.output.display(),
+                input.display()
+            );
+        }
+    }
+    let view = SnapshotView::new(&cow, &base, &a.base, a.size)?;
+    let needed = cow.source_extent();
+    if view.base_size() < needed {
+        bail!(
+            "{}: base is {} bytes, but the COW {} reads source data up to byte {needed}: wrong base image?",
+            a.base.display(),
+            view.base_size(),
+            a.cow.display()
+        );
+    }
+    let size = view.size();
+    let bar = progress::bytes(size, "apply");
+    let report = |done: u64| bar.set_position(done);
+
+    if is_block_device(&a.output) {
+        let out = OpenOptions::new()
+            .write(true)
+            .open(&a.output)
+            .with_context(|| format!("cannot open {}", a.output.display()))?;
+        let dev_size = cow::view::file_size(&out, &a.output)?;
+        if dev_size < size {
+            bail!(
+                "{}: device is {dev_size} bytes, the new image needs {size}",
+                a.output.display()
+            );
+        }
+        view.write_to(&out, &a.output, &report)?;
+        out.sync_all()
+            .with_context(|| format!("fsync {}", a.output.display()))?;
+    } else {
+        let dir = match a.output.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        // Dropped (and so deleted) on any error: no half-written output.
+        let tmp = tempfile::Builder::new()
+            .prefix(".vabc-apply-")
+            .suffix(".tmp")
+            .tempfile_in(&dir)
+            .with_context(|| format!("cannot create a temporary file in {}", dir.display()))?;
+        tmp.as_file()
+            .set_len(size)
+            .with_context(|| format!("cannot size {}", tmp.path().display()))?;
+        view.write_to(tmp.as_file(), tmp.path(), &report)?;
+        tmp.as_file()
+            .sync_all()
+            .with_context(|| format!("fsync {}", tmp.path().display()))?;
+        tmp.persist(&a.output)
+            .with_context(|| format!("cannot rename into {}", a.output.display()))?;
+    }
+    bar.finish_and_clear();
+    eprintln!(
+        "wrote {} ({size} bytes) from {} + {}",
+        a.output.display(),
+        a.base.display(),
+        a.cow.display()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+fn is_block_device(p: &Path) -> bool {
+    use std::os::unix::fs::FileTypeExt;
+    std::fs::metadata(p).is_ok_and(|m| m.file_type().is_block_device())
+}
+
+fn same_file(a: &Path, b: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (std::fs::metadata(a), std::fs::metadata(b)) {
+        (Ok(x), Ok(y)) => x.dev() == y.dev() && x.ino() == y.ino(),
+        _ => false,
+    }
+}

@@ -1,0 +1,258 @@
+//! `vabc inspect`: what is in a COW file (AOSP's `inspect_cow`, plus JSON).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use cow::{CowReader, Op, OpKind, OpenOptions};
+use serde::Serialize;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// The COW file (or block device).
+    cow: PathBuf,
+    /// List the ops (stream order unless --order says otherwise).
+    #[arg(long)]
+    ops: bool,
+    /// Order of the op listing; `merge` is the order a merge applies them.
+    #[arg(long, value_enum, default_value_t = Order::Stream)]
+    order: Order,
+    /// Check that merging op by op in merge order is safe; exit 1 if not.
+    #[arg(long)]
+    verify_merge: bool,
+    /// Read only up to this label (resume point), as a resumed writer would.
+    #[arg(long)]
+    label: Option<u64>,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Order {
+    Stream,
+    Merge,
+}
+
+#[derive(Serialize)]
+struct OpJson {
+    #[serde(rename = "type")]
+    kind: OpKind,
+    new_block: u64,
+    source: u64,
+    blocks: u32,
+    data_offset: u64,
+    data_length: u32,
+}
+
+impl From<&Op> for OpJson {
+    fn from(o: &Op) -> Self {
+        OpJson {
+            kind: o.kind,
+            new_block: o.new_block,
+            source: o.source,
+            blocks: o.blocks,
+            data_offset: o.data_offset,
+            data_length: o.data_length,
+        }
+    }
+}
+
+#[derive(Serialize)]
+struct Summary<'a> {
+    file: String,
+    file_size: u64,
+    version: String,
+    header: &'a cow::Header,
+    compression: cow::Codec,
+    compression_factor: u32,
+    ops_total: usize,
+    op_counts: BTreeMap<&'static str, usize>,
+    blocks_by_type: BTreeMap<&'static str, u64>,
+    blocks_covered: u64,
+    end_block: u64,
+    data_bytes: u64,
+    sequence_entries: usize,
+    labels: Vec<cow::Label>,
+    footer: Option<&'a cow::Footer>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    verify_merge: Option<VerifyJson>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    order: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ops: Option<Vec<OpJson>>,
+}
+
+#[derive(Serialize)]
+struct VerifyJson {
+    ok: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<String>,
+}
+
+pub fn run(a: Args) -> Result<ExitCode> {
+    let r = CowReader::open_with(&a.cow, OpenOptions { label: a.label })
+        .with_context(|| format!("cannot read COW {}", a.cow.display()))?;
+    let h = r.header();
+    let mut op_counts = BTreeMap::new();
+    let mut blocks_by_type = BTreeMap::new();
+    for op in r.ops() {
+        *op_counts.entry(op.kind.name()).or_insert(0) += 1;
+        *blocks_by_type.entry(op.kind.name()).or_insert(0u64) += u64::from(op.blocks);
+    }
+    let verify = a.verify_merge.then(|| match r.verify_merge() {
+        Ok(()) => VerifyJson {
+            ok: true,
+            error: None,
+        },
+        Err(e) => VerifyJson {
+            ok: false,
+            error: Some(e.to_string()),
+        },
+    });
+    let listing: Option<Vec<&Op>> = if a.ops || a.order == Order::Merge {
+        Some(match a.order {
+            Order::Stream => r.ops().iter().collect(),
+            Order::Merge => r
+                .merge_order()
+                .with_context(|| "cannot derive the merge order")?
+                .into_iter()
+                .map(|i| &r.ops()[i])
+                .collect(),
+        })
+    } else {
+        None
+    };
+    let summary = Summary {
+        file: a.cow.display().to_string(),
+        file_size: r.file_size(),
+        version: format!("{}.{}", h.major_version, h.minor_version),
+        header: h,
+        compression: r.codec(),
+        compression_factor: r.max_compression_size(),
+        ops_total: r.ops().len(),
+        op_counts,
+        blocks_covered: blocks_by_type.values().sum(),
+        blocks_by_type,
+        end_block: r.end_block(),
+        data_bytes: r.data_bytes(),
+        sequence_entries: r.sequence().len(),
+        labels: r.labels().to_vec(),
+        footer: r.footer(),
+        verify_merge: verify,
+        order: listing.as_ref().map(|_| match a.order {
+            Order::Stream => "stream",
+            Order::Merge => "merge",
+        }),
+        ops: listing
+            .as_ref()
+            .map(|l| l.iter().map(|o| OpJson::from(*o)).collect()),
+    };
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&summary)?);
+    } else {
+        print_text(&summary);
+    }
+    if let Some(VerifyJson {
+        ok: false,
+        error: Some(e),
+    }) = &summary.verify_merge
+    {
+        eprintln!("vabc: {e}");
+        return Ok(ExitCode::FAILURE);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn print_text(s: &Summary) {
+    let h = s.header;
+    println!("File:               {}", s.file);
+    println!("File size:          {}", s.file_size);
+    println!("Version:            {}", s.version);
+    println!("Header size:        {}", h.header_size);
+    println!("Footer size:        {}", h.footer_size);
+    println!("Block size:         {}", h.block_size);
+    if h.major_version < 3 {
+        println!("Cluster ops:        {}", h.cluster_ops);
+    }
+    println!("Merge ops:          {}", h.num_merge_ops);
+    println!("Scratch area:       {} bytes", h.buffer_size);
+    println!("Compression:        {}", s.compression);
+    if h.major_version == 3 {
+        println!("Compression factor: {}", s.compression_factor);
+        println!("Op count / max:     {} / {}", h.op_count, h.op_count_max);
+        println!(
+            "Resume points:      {} stored ({} in header)",
+            s.labels.len(),
+            h.resume_point_count
+        );
+    }
+    match s.footer {
+        Some(f) => println!(
+            "Footer:             {} ops, {} bytes, at offset {}",
+            f.num_ops, f.ops_size, f.offset
+        ),
+        None if h.major_version < 3 => println!("Footer:             none"),
+        None => {}
+    }
+    println!("Sequence entries:   {}", s.sequence_entries);
+    let labels: Vec<String> = s
+        .labels
+        .iter()
+        .map(|l| format!("{} (after {} ops)", l.label, l.ops_before))
+        .collect();
+    println!(
+        "Labels:             {}",
+        if labels.is_empty() {
+            "none".to_string()
+        } else {
+            labels.join(", ")
+        }
+    );
+    println!("Ops:                {}", s.ops_total);
+    for kind in ["COPY", "XOR", "REPLACE", "ZERO"] {
+        println!(
+            "  {:<8}          {:>8} ops {:>10} blocks",
+            kind,
+            s.op_counts.get(kind).copied().unwrap_or(0),
+            s.blocks_by_type.get(kind).copied().unwrap_or(0)
+        );
+    }
+    println!("Blocks covered:     {}", s.blocks_covered);
+    println!("End block:          {}", s.end_block);
+    println!("Data size:          {} bytes", s.data_bytes);
+    if let Some(v) = &s.verify_merge {
+        if v.ok {
+            println!("Merge sequence is consistent.");
+        } else {
+            println!("Merge sequence is inconsistent!");
+        }
+    }
+    if let Some(ops) = &s.ops {
+        println!("Ops in {} order:", s.order.unwrap_or("stream"));
+        for (i, o) in ops.iter().enumerate() {
+            let detail = match o.kind {
+                OpKind::Copy => format!("source block {}", o.source),
+                OpKind::Xor => format!(
+                    "source byte {} (block {} + {}), data {}@{}",
+                    o.source,
+                    o.source / 4096,
+                    o.source % 4096,
+                    o.data_length,
+                    o.data_offset
+                ),
+                OpKind::Replace => format!(
+                    "{} block(s), data {}@{}",
+                    o.blocks, o.data_length, o.data_offset
+                ),
+                OpKind::Zero => String::new(),
+            };
+            println!(
+                "{i:>8} {:<7} new block {:>10} {detail}",
+                o.kind.name(),
+                o.new_block
+            );
+        }
+    }
+}

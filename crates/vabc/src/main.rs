@@ -1,0 +1,40 @@
+//! `vabc`: the command-line front end. Each subcommand lives in `cmd/`.
+
+use clap::{Parser, Subcommand};
+
+mod cmd;
+mod progress;
+
+#[derive(Parser)]
+#[command(
+    name = "vabc",
+    version,
+    about = "Android Virtual A/B Compression: create, serve, merge and verify COW updates"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Print a COW file's header, op counts, labels and (optionally) its ops.
+    Inspect(cmd::inspect::Args),
+    /// Write the snapshot view (base + COW) to a new image file.
+    Apply(cmd::apply::Args),
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Inspect(a) => cmd::inspect::run(a),
+        Command::Apply(a) => cmd::apply::run(a),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("vabc: error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
