@@ -143,7 +143,7 @@ impl Op {
             OpKind::Copy => (self.source, 1),
             OpKind::Xor => (
                 self.source / BLOCK_SIZE_U64,
-                if self.source % BLOCK_SIZE_U64 == 0 {
+                if self.source.is_multiple_of(BLOCK_SIZE_U64) {
                     1
                 } else {
                     2

@@ -66,7 +66,7 @@ impl<'a> SnapshotView<'a> {
     /// Fill `buf` (a whole number of blocks) with the new image's content
     /// starting at block `start`.
     pub fn read_blocks(&self, start: u64, buf: &mut [u8]) -> Result<()> {
-        if buf.len() % BLOCK_SIZE != 0 {
+        if !buf.len().is_multiple_of(BLOCK_SIZE) {
             return Err(CowError::Usage {
                 path: self.cow.path().to_path_buf(),
                 msg: format!(

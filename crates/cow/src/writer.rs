@@ -600,7 +600,7 @@ impl CowWriter {
     }
 
     fn check_data(&self, data: &[u8]) -> Result<()> {
-        if data.is_empty() || data.len() % BLOCK_SIZE != 0 {
+        if data.is_empty() || !data.len().is_multiple_of(BLOCK_SIZE) {
             return Err(self.usage(format!(
                 "data of {} bytes is not a whole, non-zero number of 4096-byte blocks",
                 data.len()

@@ -57,7 +57,13 @@ fn base_image(blocks: u64) -> Vec<u8> {
     block_content(77, true, blocks)
         .into_iter()
         .enumerate()
-        .map(|(i, b)| if (i / BS) % 3 == 0 { (i / 97) as u8 } else { b })
+        .map(|(i, b)| {
+            if (i / BS).is_multiple_of(3) {
+                (i / 97) as u8
+            } else {
+                b
+            }
+        })
         .collect()
 }
 
@@ -188,7 +194,7 @@ fn opts(
         compression_factor: 4096 << factor_exp,
         cluster_ops: cluster,
         op_count_max: 4096,
-        scratch: version == 3 || cluster % 2 == 0,
+        scratch: version == 3 || cluster.is_multiple_of(2),
         threads,
         max_blocks: None,
     }

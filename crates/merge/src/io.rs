@@ -1,0 +1,125 @@
+//! The I/O a merge needs, behind one small trait so that the same merge
+//! protocol runs over plain syscalls, io_uring, or (in tests) a simulated
+//! disk that can crash at any write or fsync.
+
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::FileExt;
+
+/// Which device an I/O goes to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Dev {
+    /// The base image: merge target and source of COPY/XOR.
+    Base,
+    /// The COW file: only its header and scratch area are written.
+    Cow,
+}
+
+/// Counters every engine keeps (what the benchmarks compare).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct IoStats {
+    /// System calls issued for data and syncs (io_uring_enter counts as one).
+    pub syscalls: u64,
+    pub reads: u64,
+    pub writes: u64,
+    pub fsyncs: u64,
+    pub bytes_read: u64,
+    pub bytes_written: u64,
+}
+
+/// Batched I/O primitives. A batch may be executed in any way as long as:
+/// reads complete before `read_many` returns; writes of one `write_many`
+/// land in order (a later one may overwrite an earlier one) before it
+/// returns; `sync` makes every completed write of that device durable.
+pub trait MergeIo {
+    fn read_many(&mut self, dev: Dev, reqs: &mut [(u64, &mut [u8])]) -> io::Result<()>;
+    fn write_many(&mut self, dev: Dev, reqs: &[(u64, &[u8])]) -> io::Result<()>;
+    fn sync(&mut self, dev: Dev) -> io::Result<()>;
+    /// `write_many` then `sync`; an engine may chain them in one submission.
+    fn write_and_sync(&mut self, dev: Dev, reqs: &[(u64, &[u8])]) -> io::Result<()> {
+        self.write_many(dev, reqs)?;
+        self.sync(dev)
+    }
+    fn stats(&self) -> IoStats;
+    /// Hint: this buffer will carry most data; an engine may register it
+    /// with the kernel. It stays alive and unmoved until `unregister`.
+    fn register(&mut self, _buf: &mut [u8]) -> io::Result<()> {
+        Ok(())
+    }
+    fn unregister(&mut self) {}
+}
+
+/// The baseline of Android's measurement: one `pread` per source, one
+/// `pwrite` **and one `fsync`** per destination block written to the base,
+/// as the pre-io_uring merge did.
+pub struct SyncIo {
+    base: File,
+    cow: File,
+    stats: IoStats,
+}
+
+impl SyncIo {
+    pub fn new(base: File, cow: File) -> Self {
+        SyncIo {
+            base,
+            cow,
+            stats: IoStats::default(),
+        }
+    }
+
+    fn file(&self, dev: Dev) -> &File {
+        match dev {
+            Dev::Base => &self.base,
+            Dev::Cow => &self.cow,
+        }
+    }
+}
+
+impl MergeIo for SyncIo {
+    fn read_many(&mut self, dev: Dev, reqs: &mut [(u64, &mut [u8])]) -> io::Result<()> {
+        for (off, buf) in reqs.iter_mut() {
+            // Per block, like the per-op baseline.
+            for (i, chunk) in buf.chunks_mut(cow::BLOCK_SIZE).enumerate() {
+                self.file(dev)
+                    .read_exact_at(chunk, *off + (i * cow::BLOCK_SIZE) as u64)?;
+                self.stats.syscalls += 1;
+                self.stats.reads += 1;
+                self.stats.bytes_read += chunk.len() as u64;
+            }
+        }
+        Ok(())
+    }
+
+    fn write_many(&mut self, dev: Dev, reqs: &[(u64, &[u8])]) -> io::Result<()> {
+        for (off, buf) in reqs {
+            if dev == Dev::Base {
+                for (i, chunk) in buf.chunks(cow::BLOCK_SIZE).enumerate() {
+                    self.base
+                        .write_all_at(chunk, *off + (i * cow::BLOCK_SIZE) as u64)?;
+                    self.base.sync_data()?;
+                    self.stats.syscalls += 2;
+                    self.stats.writes += 1;
+                    self.stats.fsyncs += 1;
+                    self.stats.bytes_written += chunk.len() as u64;
+                }
+            } else {
+                self.cow.write_all_at(buf, *off)?;
+                self.stats.syscalls += 1;
+                self.stats.writes += 1;
+                self.stats.bytes_written += buf.len() as u64;
+            }
+        }
+        Ok(())
+    }
+
+    fn sync(&mut self, dev: Dev) -> io::Result<()> {
+        self.file(dev).sync_data()?;
+        self.stats.syscalls += 1;
+        self.stats.fsyncs += 1;
+        Ok(())
+    }
+
+    fn stats(&self) -> IoStats {
+        self.stats
+    }
+}

@@ -1,0 +1,366 @@
+//! In-place merge: AOSP vectors, both engines, refusal of unsafe input,
+//! crash injection at every write and sync, and reads during a merge.
+
+mod common;
+
+use std::fs::{File, OpenOptions};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use common::*;
+use cow::{Codec, CowReader};
+use merge::view::MergingView;
+use merge::{Dev, Merge, MergeIo, MergeOptions, MergeStatus, SyncIo, UringIo};
+
+fn vectors() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/aosp-cow-vectors")
+}
+
+fn rw(p: &Path) -> File {
+    OpenOptions::new().read(true).write(true).open(p).unwrap()
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Engine {
+    Sync,
+    Uring,
+}
+
+fn engine(e: Engine, base: &Path, cow: &Path) -> Box<dyn MergeIo> {
+    match e {
+        Engine::Sync => Box::new(SyncIo::new(rw(base), rw(cow))),
+        Engine::Uring => Box::new(UringIo::new(rw(base), rw(cow), 64).unwrap()),
+    }
+}
+
+/// Merge `cow` into `base` (files) to completion.
+fn merge_files(base: &Path, cow: &Path, e: Engine, opts: MergeOptions) -> merge::MergeReport {
+    let r = CowReader::open(cow).unwrap();
+    let size = std::fs::metadata(base).unwrap().len();
+    let m = Merge::new(&r, size, base.to_path_buf(), opts).unwrap();
+    let mut io = engine(e, base, cow);
+    m.run(io.as_mut(), &|_, _| {}).unwrap()
+}
+
+#[test]
+fn vectors_merge_to_expected_with_both_engines() {
+    let expected = std::fs::read(vectors().join("expected.img")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut n = 0;
+    for e in std::fs::read_dir(vectors()).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_none_or(|x| x != "cow") || p.to_str().unwrap().contains("badseq") {
+            continue;
+        }
+        for engine_kind in [Engine::Sync, Engine::Uring] {
+            let base = dir.path().join("base.img");
+            let cow = dir.path().join("u.cow");
+            std::fs::copy(vectors().join("base.img"), &base).unwrap();
+            std::fs::copy(&p, &cow).unwrap();
+            let rep = merge_files(&base, &cow, engine_kind, MergeOptions::default());
+            assert!(rep.complete(), "{}", p.display());
+            assert!(
+                std::fs::read(&base).unwrap() == expected,
+                "{} {engine_kind:?}",
+                p.display()
+            );
+            // The header records completion; a second run is a no-op.
+            let r = CowReader::open(&cow).unwrap();
+            assert_eq!(r.header().num_merge_ops, rep.total_ops);
+            let again = merge_files(&base, &cow, engine_kind, MergeOptions::default());
+            assert!(again.complete());
+            assert_eq!((again.io.writes, again.io.fsyncs), (0, 0));
+            n += 1;
+        }
+    }
+    assert_eq!(n, 22);
+}
+
+#[test]
+fn unsafe_order_and_wrong_base_are_refused_before_writing() {
+    let dir = tempfile::tempdir().unwrap();
+    let cow = dir.path().join("bad.cow");
+    std::fs::copy(vectors().join("v3_lz4_4096_badseq.cow"), &cow).unwrap();
+    let r = CowReader::open(&cow).unwrap();
+    let e = Merge::new(
+        &r,
+        4 << 20,
+        PathBuf::from("base.img"),
+        MergeOptions::default(),
+    )
+    .err()
+    .unwrap();
+    assert!(e.to_string().contains("merge order is unsafe"), "{e}");
+    let good = dir.path().join("good.cow");
+    std::fs::copy(vectors().join("v3_lz4_65536.cow"), &good).unwrap();
+    let r = CowReader::open(&good).unwrap();
+    let e = Merge::new(
+        &r,
+        1 << 20,
+        PathBuf::from("small.img"),
+        MergeOptions::default(),
+    )
+    .err()
+    .unwrap();
+    assert!(e.to_string().contains("wrong base image"), "{e}");
+}
+
+#[test]
+fn engines_give_identical_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut results = Vec::new();
+    for e in [Engine::Sync, Engine::Uring] {
+        let cow = dir.path().join(format!("{e:?}.cow"));
+        let base = dir.path().join(format!("{e:?}.img"));
+        let (old, new) = make_update(&cow, 512, 3, Codec::Lz4);
+        std::fs::write(&base, &old).unwrap();
+        let opts = MergeOptions {
+            window_ops: 13,
+            commit_ops: 9,
+            ..Default::default()
+        };
+        let rep = merge_files(&base, &cow, e, opts);
+        assert!(rep.complete());
+        let img = std::fs::read(&base).unwrap();
+        assert!(img == new, "{e:?}");
+        results.push((img, std::fs::read(&cow).unwrap(), rep.io));
+    }
+    assert!(results[0].0 == results[1].0);
+    assert!(
+        results[0].1 == results[1].1,
+        "COW (header + scratch) differs between engines"
+    );
+    // The io_uring engine batches: far fewer syscalls and fsyncs.
+    let (s, u) = (results[0].2, results[1].2);
+    assert!(u.syscalls * 4 < s.syscalls, "sync {s:?} uring {u:?}");
+    assert!(u.fsyncs * 4 < s.fsyncs, "sync {s:?} uring {u:?}");
+}
+
+/// Merge through a simulated disk that dies at event `k`, then check the
+/// snapshot view on what survived and resume to the end.
+struct Scenario<'a> {
+    cow_bytes: &'a [u8],
+    old: &'a [u8],
+    new: &'a [u8],
+    opts: MergeOptions,
+}
+
+fn crash_and_resume(sc: &Scenario, k: u64, how: Crash, resume_engine: Engine, dir: &Path) {
+    let Scenario {
+        cow_bytes,
+        old,
+        new,
+        opts,
+    } = *sc;
+    let cow_path = dir.join("c.cow");
+    std::fs::write(&cow_path, cow_bytes).unwrap();
+    let r = CowReader::open(&cow_path).unwrap();
+    let m = Merge::new(&r, old.len() as u64, PathBuf::from("base"), opts).unwrap();
+    let mut sim = SimDisk::new(old.to_vec(), cow_bytes.to_vec(), Some(k));
+    assert!(
+        m.run(&mut sim, &|_, _| {}).is_err(),
+        "no crash at event {k}"
+    );
+    let (base_after, cow_after) = sim.after_crash(how);
+    drop(m);
+    drop(r);
+    let base_path = dir.join("b.img");
+    std::fs::write(&base_path, &base_after).unwrap();
+    std::fs::write(&cow_path, &cow_after).unwrap();
+
+    // 1. What a restarted daemon serves before resuming: the new image.
+    let r = CowReader::open(&cow_path).unwrap();
+    let m = Merge::new(&r, old.len() as u64, base_path.clone(), opts).unwrap();
+    let status = Arc::new(MergeStatus::new());
+    m.load_status(&mut SyncIo::new(rw(&base_path), rw(&cow_path)), &status)
+        .unwrap();
+    let base = File::open(&base_path).unwrap();
+    let view = MergingView::new(&r, &base, &base_path, status).unwrap();
+    let mut blk = vec![0u8; BS];
+    for b in 0..(new.len() / BS) as u64 {
+        view.read_block(b, &mut blk).unwrap();
+        assert!(
+            blk == new[b as usize * BS..][..BS],
+            "crash at {k} ({how:?}): block {b} wrong before resume"
+        );
+    }
+    // 2. Resume to the end.
+    let mut io = engine(resume_engine, &base_path, &cow_path);
+    let rep = m.run(io.as_mut(), &|_, _| {}).unwrap();
+    assert!(rep.complete());
+    assert!(
+        std::fs::read(&base_path).unwrap() == new,
+        "crash at {k} ({how:?}): wrong image after resume"
+    );
+}
+
+#[test]
+fn crash_at_every_write_and_sync_then_resume() {
+    let dir = tempfile::tempdir().unwrap();
+    let cow_path = dir.path().join("u.cow");
+    let (old, new) = make_update(&cow_path, 256, 2, Codec::Zstd);
+    let cow_bytes = std::fs::read(&cow_path).unwrap();
+    // Small windows and commits: many windows, many crash points per phase.
+    let opts = MergeOptions {
+        window_ops: 7,
+        commit_ops: 5,
+        ..Default::default()
+    };
+    let r = CowReader::open(&cow_path).unwrap();
+    let m = Merge::new(&r, old.len() as u64, PathBuf::from("base"), opts).unwrap();
+    let ordered = m.order().iter().filter(|o| o.kind.is_ordered()).count() as u64;
+    let mut sim = SimDisk::new(old.clone(), cow_bytes.clone(), None);
+    m.run(&mut sim, &|_, _| {}).unwrap();
+    assert!(
+        sim.after_crash(Crash::PowerLoss).0 == new,
+        "fault-free simulated merge"
+    );
+    let events = sim.events();
+    let trace = sim.trace.clone();
+    drop(m);
+
+    // Which phase each event belongs to, to show every phase is hit.
+    let header_size = r.header().header_size as u64;
+    let mut phases = std::collections::BTreeMap::new();
+    let mut commits = 0u64;
+    for &(is_sync, dev, off) in &trace {
+        let phase = match (is_sync, dev, off) {
+            (true, Dev::Cow, _) => "cow sync",
+            (true, Dev::Base, _) => "base sync",
+            (false, Dev::Cow, 0) => {
+                commits += 1;
+                "header commit"
+            }
+            (false, Dev::Cow, o) if o == header_size => "state byte",
+            (false, Dev::Cow, _) => "scratch save",
+            (false, Dev::Base, _) if commits * 7 < ordered => "destination write",
+            (false, Dev::Base, _) => "REPLACE/ZERO write",
+        };
+        *phases.entry(phase).or_insert(0u64) += 1;
+    }
+    for p in [
+        "scratch save",
+        "state byte",
+        "destination write",
+        "header commit",
+        "REPLACE/ZERO write",
+        "base sync",
+        "cow sync",
+    ] {
+        assert!(
+            phases.get(p).copied().unwrap_or(0) > 0,
+            "phase {p} never hit: {phases:?}"
+        );
+    }
+
+    let sc = Scenario {
+        cow_bytes: &cow_bytes,
+        old: &old,
+        new: &new,
+        opts,
+    };
+    let mut points = 0;
+    for k in 0..events {
+        for how in [Crash::Stop, Crash::PowerLoss, Crash::Torn(k * 7919 + 1)] {
+            let resume = if k % 2 == 0 {
+                Engine::Uring
+            } else {
+                Engine::Sync
+            };
+            crash_and_resume(&sc, k, how, resume, dir.path());
+            points += 1;
+        }
+    }
+    eprintln!("{points} crash points over {events} events: {phases:?}");
+    assert!(points >= 200, "only {points} crash points");
+}
+
+/// A second crash while resuming from the first is survived too.
+#[test]
+fn crash_during_resume() {
+    let dir = tempfile::tempdir().unwrap();
+    let cow_path = dir.path().join("u.cow");
+    let (old, new) = make_update(&cow_path, 128, 3, Codec::Lz4);
+    let cow_bytes = std::fs::read(&cow_path).unwrap();
+    let opts = MergeOptions {
+        window_ops: 5,
+        commit_ops: 3,
+        ..Default::default()
+    };
+    for (k1, k2) in [(3u64, 2u64), (10, 5), (17, 1), (25, 8), (40, 3)] {
+        let r = CowReader::open(&cow_path).unwrap();
+        let m = Merge::new(&r, old.len() as u64, PathBuf::from("base"), opts).unwrap();
+        let mut sim = SimDisk::new(old.clone(), cow_bytes.clone(), Some(k1));
+        let _ = m.run(&mut sim, &|_, _| {});
+        let (b1, c1) = sim.after_crash(Crash::PowerLoss);
+        let mut sim = SimDisk::new(b1, c1, Some(k2));
+        let _ = m.run(&mut sim, &|_, _| {});
+        let (b2, c2) = sim.after_crash(Crash::Torn(k1 + k2));
+        let mut sim = SimDisk::new(b2, c2, None);
+        assert!(m.run(&mut sim, &|_, _| {}).unwrap().complete());
+        assert!(
+            sim.after_crash(Crash::PowerLoss).0 == new,
+            "crashes at {k1} then {k2}"
+        );
+    }
+}
+
+/// Several threads read random blocks while the merge runs in the same
+/// process: every read returns the new image's bytes.
+#[test]
+fn concurrent_reads_during_merge() {
+    let dir = tempfile::tempdir().unwrap();
+    let cow_path = dir.path().join("u.cow");
+    let base_path = dir.path().join("b.img");
+    let (old, new) = make_update(&cow_path, 1024, 3, Codec::Zstd);
+    std::fs::write(&base_path, &old).unwrap();
+    let r = CowReader::open(&cow_path).unwrap();
+    let opts = MergeOptions {
+        window_ops: 3,
+        commit_ops: 2,
+        ..Default::default()
+    };
+    let status = Arc::new(MergeStatus::new());
+    let m = Merge::new(&r, old.len() as u64, base_path.clone(), opts)
+        .unwrap()
+        .with_status(status.clone());
+    let mut io = UringIo::new(rw(&base_path), rw(&cow_path), 64).unwrap();
+    m.load_status(&mut io, &status).unwrap();
+    let done = AtomicBool::new(false);
+    let reads = AtomicU64::new(0);
+    let base = File::open(&base_path).unwrap();
+    let view = MergingView::new(&r, &base, &base_path, status.clone()).unwrap();
+    let blocks = (new.len() / BS) as u64;
+    std::thread::scope(|s| {
+        for t in 0..4u64 {
+            let (view, new, done, reads) = (&view, &new, &done, &reads);
+            s.spawn(move || {
+                let mut x = t * 0x9e37_79b9 + 12345;
+                let mut blk = vec![0u8; BS];
+                while !done.load(Ordering::Acquire) {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    // Mostly blocks with ordered ops (the interesting ones).
+                    let b = if x % 4 == 0 {
+                        x % blocks
+                    } else {
+                        blocks / 8 + x % (blocks * 5 / 8)
+                    };
+                    view.read_block(b, &mut blk).unwrap();
+                    assert!(
+                        blk == new[b as usize * BS..][..BS],
+                        "block {b} wrong during merge"
+                    );
+                    reads.fetch_add(1, Ordering::Relaxed);
+                }
+            });
+        }
+        let rep = m.run(&mut io, &|_, _| {}).unwrap();
+        assert!(rep.complete());
+        done.store(true, Ordering::Release);
+    });
+    assert!(reads.load(Ordering::Relaxed) > 100, "readers barely ran");
+    assert!(std::fs::read(&base_path).unwrap() == new);
+}
