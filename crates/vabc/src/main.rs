@@ -22,6 +22,10 @@ enum Command {
     Inspect(cmd::inspect::Args),
     /// Write the snapshot view (base + COW) to a new image file.
     Apply(cmd::apply::Args),
+    /// Build and check dm-verity hash trees (veritysetup compatible).
+    Verity(cmd::verity::Args),
+    /// Add and inspect unsigned AVB hashtree footers (avbtool layout, no FEC).
+    Avb(cmd::avb::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -29,6 +33,8 @@ fn main() -> std::process::ExitCode {
     let result = match cli.command {
         Command::Inspect(a) => cmd::inspect::run(a),
         Command::Apply(a) => cmd::apply::run(a),
+        Command::Verity(a) => cmd::verity::run(a),
+        Command::Avb(a) => cmd::avb::run(a),
     };
     match result {
         Ok(code) => code,

@@ -1,2 +1,4 @@
 pub mod apply;
+pub mod avb;
 pub mod inspect;
+pub mod verity;

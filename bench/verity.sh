@@ -1,0 +1,120 @@
+#!/usr/bin/env bash
+# bench/verity.sh: dm-verity tree building, `vabc verity format` against
+# `veritysetup format`, on the same 1 GiB file in the same run.
+#
+# Both tools get the same salt and parameters (sha256, 4096/4096, superblock,
+# fixed UUID) and must print the same root hash and write identical hash files;
+# the run fails otherwise. Each tool runs RUNS times, alternating, with the data
+# in the page cache (warm, like the anchor in shared/notes/images.md Part 3).
+# Wall time is reported as median and best; the ratio is veritysetup's median
+# over ours (target: >= 1.5).
+#
+# Also timed (no anchor on this machine): `vabc verity verify` (veritysetup
+# verify alongside) and `vabc avb add-hashtree-footer` on a copy of the file.
+#
+# TODO(serving): verified vs unverified serving throughput (target >= 0.85x)
+# needs `vabc serve --verity-hash FILE --root-hash HEX`, which does not exist
+# yet. When it does: serve the same image with and without --verity-hash,
+# read it sequentially and randomly (fio or dd on the device), and add a row
+# per mode with the ratio verified/unverified.
+#
+# Usage: [VABC=binary] bench/verity.sh [-s SIZE_MIB] [-r RUNS] [-d WORKDIR]
+# Needs (Debian): cryptsetup-bin (veritysetup). Builds vabc in release mode.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+SIZE_MIB=1024
+RUNS=5
+WORK=${TMPDIR:-/tmp}/vabc-bench-verity
+CMDLINE="bench/verity.sh $*"
+while getopts "s:r:d:" opt; do
+	case $opt in
+	s) SIZE_MIB=$OPTARG ;;
+	r) RUNS=$OPTARG ;;
+	d) WORK=$OPTARG ;;
+	*) echo "usage: $0 [-s SIZE_MIB] [-r RUNS] [-d WORKDIR]" >&2; exit 2 ;;
+	esac
+done
+
+command -v veritysetup >/dev/null || { echo "veritysetup missing: apt-get install -y cryptsetup-bin" >&2; exit 1; }
+
+# VABC=/path/to/vabc skips the build (e.g. to compare two binaries).
+if [ -z "${VABC:-}" ]; then
+	(cd "$ROOT" && cargo build --release -q -p vabc)
+	VABC=${CARGO_TARGET_DIR:-$ROOT/target}/release/vabc
+fi
+[ -x "$VABC" ] || { echo "no release binary at $VABC" >&2; exit 1; }
+
+mkdir -p "$WORK"
+DATA=$WORK/data.img
+BYTES=$((SIZE_MIB * 1024 * 1024))
+if [ ! -f "$DATA" ] || [ "$(stat -c %s "$DATA")" -ne "$BYTES" ]; then
+	echo "creating $SIZE_MIB MiB of random data in $DATA" >&2
+	head -c "$BYTES" /dev/urandom >"$DATA.tmp" && mv "$DATA.tmp" "$DATA"
+fi
+cat "$DATA" >/dev/null # warm the page cache
+
+SALT=000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f
+UUID=01234567-89ab-4cde-8f01-23456789abcd
+COMMON=(--hash=sha256 --salt=$SALT --uuid=$UUID --data-block-size=4096 --hash-block-size=4096)
+
+now() { date +%s.%N; }
+# elapsed START -> seconds with 3 decimals
+elapsed() { echo "$(now) $1" | awk '{printf "%.3f", $1 - $2}'; }
+# stats "t1 t2 ..." -> "median best"
+stats() { tr ' ' '\n' <<<"$1" | grep . | sort -g | awk '{a[NR]=$1} END {m = (NR % 2) ? a[(NR+1)/2] : (a[NR/2] + a[NR/2+1]) / 2; printf "%.3f %.3f", m, a[1]}'; }
+
+T_OURS="" T_THEIRS="" T_VOURS="" T_VTHEIRS=""
+ROOT_OURS="" ROOT_THEIRS=""
+for i in $(seq "$RUNS"); do
+	rm -f "$WORK/ours.hash" "$WORK/theirs.hash"
+	t=$(now)
+	ROOT_OURS=$("$VABC" verity format "${COMMON[@]}" "$DATA" "$WORK/ours.hash" | awk '/^Root hash:/{print $3}')
+	T_OURS+=" $(elapsed "$t")"
+	t=$(now)
+	ROOT_THEIRS=$(veritysetup format "${COMMON[@]}" "$DATA" "$WORK/theirs.hash" | awk '/^Root hash:/{print $3}')
+	T_THEIRS+=" $(elapsed "$t")"
+	t=$(now)
+	"$VABC" verity verify "$DATA" "$WORK/theirs.hash" "$ROOT_THEIRS" >/dev/null
+	T_VOURS+=" $(elapsed "$t")"
+	t=$(now)
+	veritysetup verify "$DATA" "$WORK/ours.hash" "$ROOT_OURS"
+	T_VTHEIRS+=" $(elapsed "$t")"
+	echo "run $i: format vabc $(awk '{print $NF}' <<<"$T_OURS") s, veritysetup $(awk '{print $NF}' <<<"$T_THEIRS") s" >&2
+done
+[ "$ROOT_OURS" = "$ROOT_THEIRS" ] || { echo "root hashes differ: $ROOT_OURS vs $ROOT_THEIRS" >&2; exit 1; }
+cmp "$WORK/ours.hash" "$WORK/theirs.hash" || { echo "hash files differ" >&2; exit 1; }
+
+# AVB footer on a copy (the file is modified in place).
+T_AVB=""
+for i in $(seq "$RUNS"); do
+	cp "$DATA" "$WORK/avb.img"
+	t=$(now)
+	"$VABC" avb add-hashtree-footer "$WORK/avb.img" --partition-size $((BYTES + 16 * 1024 * 1024)) \
+		--partition-name system --salt $SALT >/dev/null
+	T_AVB+=" $(elapsed "$t")"
+done
+rm -f "$WORK/avb.img"
+
+read -r MO BO <<<"$(stats "$T_OURS")"
+read -r MT BT <<<"$(stats "$T_THEIRS")"
+read -r MVO BVO <<<"$(stats "$T_VOURS")"
+read -r MVT BVT <<<"$(stats "$T_VTHEIRS")"
+read -r MA BA <<<"$(stats "$T_AVB")"
+mbps() { awk -v b="$BYTES" -v t="$1" 'BEGIN {printf "%.0f", b / t / 1e6}'; }
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.2f", a / b}'; }
+
+echo
+echo "dm-verity tree, sha256 4K/4K, $SIZE_MIB MiB, warm cache, $RUNS runs each, $(nproc) CPUs, load $(cut -d' ' -f1-3 /proc/loadavg)"
+echo
+echo "| operation | tool | median s | best s | MB/s (median) | ratio veritysetup/vabc (median) |"
+echo "|---|---|---:|---:|---:|---:|"
+echo "| format | vabc verity format | $MO | $BO | $(mbps "$MO") | $(ratio "$MT" "$MO") |"
+echo "| format | veritysetup format | $MT | $BT | $(mbps "$MT") | 1.00 |"
+echo "| verify | vabc verity verify | $MVO | $BVO | $(mbps "$MVO") | $(ratio "$MVT" "$MVO") |"
+echo "| verify | veritysetup verify | $MVT | $BVT | $(mbps "$MVT") | 1.00 |"
+echo "| avb footer | vabc avb add-hashtree-footer | $MA | $BA | $(mbps "$MA") | (avbtool not packaged: 2.24 s in notes) |"
+echo "| serving | TODO: needs vabc serve | | | | |"
+echo
+echo "root hash $ROOT_OURS (identical hash files)"
+echo "reproduce: $CMDLINE"

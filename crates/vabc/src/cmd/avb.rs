@@ -1,0 +1,100 @@
+//! `vabc avb add-hashtree-footer|info`: unsigned AVB hashtree footers in the
+//! layout of `avbtool add_hashtree_footer --do_not_generate_fec --algorithm NONE`.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use verity::HashAlgorithm;
+use verity::avb::{self, HashtreeFooterOptions};
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(subcommand)]
+    command: Sub,
+}
+
+#[derive(clap::Subcommand)]
+enum Sub {
+    /// Append a dm-verity hash tree, an unsigned vbmeta blob and an AVB footer to IMAGE, in place.
+    #[command(
+        long_about = "Append a dm-verity hash tree, an unsigned vbmeta blob (algorithm NONE) with a \
+hashtree descriptor and an AVB footer to IMAGE, in place, byte for byte as \
+`avbtool add_hashtree_footer --do_not_generate_fec --algorithm NONE` does.\n\n\
+Not supported: FEC (forward error correction; avbtool needs an external `fec` tool for it, \
+so the descriptor records 0 FEC roots), signing keys, and re-running on an image that already \
+has a footer (refused: start again from the original image).\n\n\
+Safety: all checks (existing footer, partition size) run before anything is written; the \
+original bytes are never changed; the footer is written last after a sync; on error the file \
+is cut back to its original size."
+    )]
+    AddHashtreeFooter(AddArgs),
+    /// Print an image's AVB footer, vbmeta header and descriptors (like `avbtool info_image`).
+    Info(InfoArgs),
+}
+
+#[derive(clap::Args)]
+struct AddArgs {
+    /// Image to extend in place.
+    image: PathBuf,
+    /// Size of the partition in bytes (a multiple of 4096); the image becomes exactly this size.
+    #[arg(long, alias = "partition_size", value_name = "N")]
+    partition_size: u64,
+    /// Partition name stored in the descriptor (e.g. system).
+    #[arg(long, alias = "partition_name", value_name = "NAME")]
+    partition_name: String,
+    /// sha256 (default here; avbtool defaults to sha1), sha1 or sha512.
+    #[arg(
+        long,
+        alias = "hash_algorithm",
+        value_name = "ALG",
+        default_value = "sha256"
+    )]
+    hash_algorithm: String,
+    /// Salt as hex (default: random, as long as the digest).
+    #[arg(long, value_name = "HEX")]
+    salt: Option<String>,
+    /// Release string in the vbmeta header (default matches avbtool 1.3.0's bytes).
+    #[arg(long, value_name = "S", default_value = avb::DEFAULT_RELEASE_STRING)]
+    release_string: String,
+}
+
+#[derive(clap::Args)]
+struct InfoArgs {
+    /// Image with an AVB footer, or a bare vbmeta image.
+    image: PathBuf,
+}
+
+pub fn run(args: Args) -> Result<ExitCode> {
+    match args.command {
+        Sub::AddHashtreeFooter(a) => add(a),
+        Sub::Info(a) => {
+            let info = avb::read_image_info(&a.image)?;
+            print!("{}", avb::format_image_info(&info));
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+fn add(a: AddArgs) -> Result<ExitCode> {
+    let algorithm: HashAlgorithm = a.hash_algorithm.parse()?;
+    let salt = a
+        .salt
+        .as_deref()
+        .map(|s| hex::decode(s).with_context(|| format!("--salt {s:?} is not hex")))
+        .transpose()?;
+    if a.release_string.len() > 47 {
+        anyhow::bail!(
+            "--release-string is {} bytes, at most 47 fit",
+            a.release_string.len()
+        );
+    }
+    let mut opts = HashtreeFooterOptions::new(a.partition_size, &a.partition_name);
+    opts.algorithm = algorithm;
+    opts.salt = salt;
+    opts.release_string = a.release_string;
+    avb::add_hashtree_footer(&a.image, &opts, None)?;
+    let info = avb::read_image_info(&a.image)?;
+    print!("{}", avb::format_image_info(&info));
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,468 @@
+//! `vabc verity format|verify`: dm-verity hash trees, compatible with
+//! `veritysetup format|verify` (same options, same output layout, same bytes).
+
+use std::fs::{self, File};
+use std::io::Write as _;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::{Context, Result, bail};
+use verity::{Format, HashAlgorithm, Input, Params, SUPERBLOCK_SIZE, Superblock};
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(subcommand)]
+    command: Sub,
+}
+
+#[derive(clap::Subcommand)]
+enum Sub {
+    /// Build the hash tree of DATA into HASHFILE and print the root hash (like `veritysetup format`).
+    Format(FormatArgs),
+    /// Check every block of DATA against HASHFILE and ROOT_HASH (like `veritysetup verify`).
+    Verify(VerifyArgs),
+}
+
+/// Tree parameters shared by format and verify (veritysetup's option names).
+#[derive(clap::Args)]
+struct TreeOpts {
+    /// Hash algorithm: sha256 (default), sha1 or sha512.
+    #[arg(long = "hash", value_name = "ALG")]
+    hash: Option<String>,
+    /// Salt as hex, or "-" for none. Default for format: 32 random bytes.
+    #[arg(long, value_name = "HEX|-")]
+    salt: Option<String>,
+    /// Data block size in bytes, a power of two from 512 to 65536 (default 4096).
+    #[arg(long, value_name = "N")]
+    data_block_size: Option<u32>,
+    /// Hash block size in bytes, a power of two from 512 to 65536 (default 4096).
+    #[arg(long, value_name = "N")]
+    hash_block_size: Option<u32>,
+    /// Number of data blocks to protect (default: every whole block of DATA;
+    /// a partial last block is left unprotected, as veritysetup does).
+    #[arg(long, value_name = "N")]
+    data_blocks: Option<u64>,
+    /// No superblock: the tree starts at the hash offset and every parameter
+    /// must be given on the command line.
+    #[arg(long)]
+    no_superblock: bool,
+    /// Byte offset of the superblock (or tree) in HASHFILE; a multiple of 512.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    hash_offset: u64,
+    /// Hash format: 1 (default) or 0 (original Chrome OS format).
+    #[arg(long = "format", value_name = "0|1")]
+    format: Option<u32>,
+}
+
+#[derive(clap::Args)]
+struct FormatArgs {
+    /// Data device or image file to protect.
+    data: PathBuf,
+    /// Where to write the superblock and tree. Written to a temporary file and
+    /// renamed into place; with --hash-offset, bytes of an existing HASHFILE
+    /// outside the written range are kept.
+    hashfile: PathBuf,
+    #[command(flatten)]
+    opts: TreeOpts,
+    /// UUID for the superblock (default: random).
+    #[arg(long)]
+    uuid: Option<String>,
+    /// Print a JSON object instead of veritysetup's text.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(clap::Args)]
+struct VerifyArgs {
+    data: PathBuf,
+    hashfile: PathBuf,
+    /// Expected root hash, hex.
+    root_hash: String,
+    #[command(flatten)]
+    opts: TreeOpts,
+}
+
+pub fn run(args: Args) -> Result<ExitCode> {
+    match args.command {
+        Sub::Format(a) => format(a),
+        Sub::Verify(a) => verify(a),
+    }
+}
+
+fn parse_salt(s: &str) -> Result<Vec<u8>> {
+    if s == "-" {
+        return Ok(Vec::new());
+    }
+    let salt = hex::decode(s)
+        .with_context(|| format!("--salt {s:?} is not hex (or \"-\" for no salt)"))?;
+    if salt.len() > verity::MAX_SALT_SIZE {
+        bail!(
+            "--salt is {} bytes, at most {} are allowed",
+            salt.len(),
+            verity::MAX_SALT_SIZE
+        );
+    }
+    Ok(salt)
+}
+
+/// Length of a regular file, or of a block device (whose metadata says 0).
+fn device_or_file_len(f: &File, path: &Path) -> Result<u64> {
+    use std::io::Seek;
+    let md = f
+        .metadata()
+        .with_context(|| format!("stat {}", path.display()))?;
+    if md.file_type().is_block_device() {
+        let mut f = f;
+        return f
+            .seek(std::io::SeekFrom::End(0))
+            .with_context(|| format!("size of block device {}", path.display()));
+    }
+    Ok(md.len())
+}
+
+impl TreeOpts {
+    fn check_offset(&self) -> Result<()> {
+        if !self.hash_offset.is_multiple_of(512) {
+            bail!(
+                "--hash-offset {} is not a multiple of 512",
+                self.hash_offset
+            );
+        }
+        Ok(())
+    }
+
+    /// Parameters from the command line alone; `salt` supplies the default salt.
+    fn params(
+        &self,
+        data_len: u64,
+        default_salt: impl FnOnce() -> Result<Vec<u8>>,
+    ) -> Result<Params> {
+        let algorithm: HashAlgorithm = self.hash.as_deref().unwrap_or("sha256").parse()?;
+        let format = Format::from_u32(self.format.unwrap_or(1))?;
+        let data_block_size = self.data_block_size.unwrap_or(4096);
+        let hash_block_size = self.hash_block_size.unwrap_or(4096);
+        let salt = match &self.salt {
+            Some(s) => parse_salt(s)?,
+            None => default_salt()?,
+        };
+        let whole = data_len / u64::from(data_block_size.max(1));
+        let data_blocks = self.data_blocks.unwrap_or(whole);
+        let p = Params {
+            format,
+            algorithm,
+            data_block_size,
+            hash_block_size,
+            data_blocks,
+            salt,
+        };
+        p.validate()?;
+        if data_blocks > whole {
+            bail!(
+                "data device has {data_len} bytes, {whole} whole blocks of {data_block_size}, \
+                 fewer than the {data_blocks} to protect"
+            );
+        }
+        Ok(p)
+    }
+}
+
+fn format(a: FormatArgs) -> Result<ExitCode> {
+    let o = &a.opts;
+    o.check_offset()?;
+    let data_file =
+        File::open(&a.data).with_context(|| format!("open data {}", a.data.display()))?;
+    let data_len = device_or_file_len(&data_file, &a.data)?;
+    let params = o.params(data_len, || Ok(verity::random_bytes(32)?))?;
+    let layout = params.layout()?;
+    let superblock = !o.no_superblock;
+    if !superblock
+        && !o
+            .hash_offset
+            .is_multiple_of(u64::from(params.hash_block_size))
+    {
+        bail!(
+            "--hash-offset {} is not a multiple of the hash block size {} (needed without a superblock)",
+            o.hash_offset,
+            params.hash_block_size
+        );
+    }
+    let uuid = match (&a.uuid, superblock) {
+        (Some(u), _) => Some(verity::parse_uuid(u)?),
+        (None, true) => Some(verity::random_uuid()?),
+        (None, false) => None,
+    };
+    let tree_off = verity::tree_offset(o.hash_offset, superblock, params.hash_block_size);
+    let end = tree_off + layout.tree_size();
+
+    // The hash area must not overwrite the data it protects.
+    let existing = fs::metadata(&a.hashfile).ok();
+    let data_md = data_file
+        .metadata()
+        .with_context(|| format!("stat {}", a.data.display()))?;
+    if let Some(md) = &existing
+        && md.dev() == data_md.dev()
+        && md.ino() == data_md.ino()
+        && o.hash_offset < params.data_size()
+    {
+        bail!(
+            "{} is the data file and --hash-offset {} lies inside the {} protected bytes",
+            a.hashfile.display(),
+            o.hash_offset,
+            params.data_size()
+        );
+    }
+
+    let write_tree = |out: &File, out_name: &Path| -> Result<Vec<u8>> {
+        if let Some(uuid) = uuid {
+            let sb = Superblock {
+                params: params.clone(),
+                uuid,
+            };
+            let mut area = sb.encode().to_vec();
+            // Zero the gap up to the tree so a reused file carries no stale bytes.
+            area.resize((tree_off - o.hash_offset).max(SUPERBLOCK_SIZE) as usize, 0);
+            std::os::unix::fs::FileExt::write_all_at(out, &area, o.hash_offset).with_context(
+                || {
+                    format!(
+                        "write superblock to {} at offset {}",
+                        out_name.display(),
+                        o.hash_offset
+                    )
+                },
+            )?;
+        }
+        let input = Input {
+            reader: &data_file,
+            name: &a.data,
+            len: data_len,
+        };
+        let mut w = out;
+        let root = verity::build_tree(input, &params, &mut w, out_name, tree_off, None)?;
+        Ok(root)
+    };
+
+    let root = match &existing {
+        // Devices are written in place: there is nothing to rename.
+        Some(md) if !md.file_type().is_file() => {
+            let f = File::options()
+                .read(true)
+                .write(true)
+                .open(&a.hashfile)
+                .with_context(|| format!("open {} for writing", a.hashfile.display()))?;
+            let len = device_or_file_len(&f, &a.hashfile)?;
+            if len < end {
+                bail!(
+                    "{} has {len} bytes, the hash area needs {end}",
+                    a.hashfile.display()
+                );
+            }
+            let root = write_tree(&f, &a.hashfile)?;
+            f.sync_all()
+                .with_context(|| format!("sync {}", a.hashfile.display()))?;
+            root
+        }
+        _ => {
+            let dir = match a.hashfile.parent() {
+                Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+                _ => PathBuf::from("."),
+            };
+            let name = a
+                .hashfile
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            let tmp = tempfile::Builder::new()
+                .prefix(&format!(".{name}."))
+                .suffix(".tmp")
+                .tempfile_in(&dir)
+                .with_context(|| format!("create a temporary file in {}", dir.display()))?;
+            if existing.is_some() && o.hash_offset > 0 {
+                // Keep what precedes the hash area (e.g. the data itself when
+                // the tree is appended to the image).
+                fs::copy(&a.hashfile, tmp.path()).with_context(|| {
+                    format!("copy {} to {}", a.hashfile.display(), tmp.path().display())
+                })?;
+            }
+            let root = write_tree(tmp.as_file(), tmp.path())?;
+            // Never shorten a file that was longer, never leave one shorter than the area.
+            let cur = tmp
+                .as_file()
+                .metadata()
+                .context("stat temporary file")?
+                .len();
+            if cur < end {
+                tmp.as_file()
+                    .set_len(end)
+                    .context("extend temporary file")?;
+            }
+            if let Some(md) = &existing {
+                // A replaced file keeps its mode; a new one gets tempfile's 0600, as veritysetup's does.
+                tmp.as_file()
+                    .set_permissions(md.permissions())
+                    .context("copy permissions to the temporary file")?;
+            }
+            tmp.as_file().sync_all().context("sync temporary file")?;
+            tmp.persist(&a.hashfile)
+                .with_context(|| format!("rename temporary file to {}", a.hashfile.display()))?;
+            root
+        }
+    };
+
+    let salt_text = if params.salt.is_empty() {
+        "-".to_string()
+    } else {
+        hex::encode(&params.salt)
+    };
+    let uuid_text = uuid.as_ref().map(verity::format_uuid).unwrap_or_default();
+    let mut out = std::io::stdout().lock();
+    if a.json {
+        let v = serde_json::json!({
+            "hashfile": a.hashfile.display().to_string(),
+            "uuid": uuid_text,
+            "hash_type": params.format.as_u32(),
+            "root_hash": hex::encode(&root),
+            "salt": hex::encode(&params.salt),
+            "hash_algorithm": params.algorithm.name(),
+            "data_blocks": params.data_blocks,
+            "data_block_size": params.data_block_size,
+            "hash_blocks": layout.hash_blocks,
+            "hash_block_size": params.hash_block_size,
+            "superblock": superblock,
+            "hash_offset": o.hash_offset,
+            "tree_offset": tree_off,
+            "hash_device_size": end,
+        });
+        writeln!(out, "{}", serde_json::to_string_pretty(&v)?)?;
+    } else {
+        // Same labels, tabs and spacing as veritysetup 2.6.
+        writeln!(
+            out,
+            "VERITY header information for {}",
+            a.hashfile.display()
+        )?;
+        writeln!(out, "UUID:            \t{uuid_text}")?;
+        writeln!(out, "Hash type:       \t{}", params.format.as_u32())?;
+        writeln!(out, "Data blocks:     \t{}", params.data_blocks)?;
+        writeln!(out, "Data block size: \t{}", params.data_block_size)?;
+        writeln!(out, "Hash blocks:     \t{}", layout.hash_blocks)?;
+        writeln!(out, "Hash block size: \t{}", params.hash_block_size)?;
+        writeln!(out, "Hash algorithm:  \t{}", params.algorithm)?;
+        writeln!(out, "Salt:            \t{salt_text}")?;
+        writeln!(out, "Root hash:      \t{}", hex::encode(&root))?;
+        if o.hash_offset == 0 {
+            writeln!(out, "Hash device size: \t{end} [bytes]")?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn verify(a: VerifyArgs) -> Result<ExitCode> {
+    let o = &a.opts;
+    o.check_offset()?;
+    let data_file =
+        File::open(&a.data).with_context(|| format!("open data {}", a.data.display()))?;
+    let data_len = device_or_file_len(&data_file, &a.data)?;
+    let hash_file =
+        File::open(&a.hashfile).with_context(|| format!("open {}", a.hashfile.display()))?;
+    let hash_len = device_or_file_len(&hash_file, &a.hashfile)?;
+    let root = hex::decode(a.root_hash.trim())
+        .with_context(|| format!("root hash {:?} is not hex", a.root_hash))?;
+
+    let params = if o.no_superblock {
+        if o.salt.is_none() {
+            bail!("--salt is required with --no-superblock (\"-\" for none)");
+        }
+        o.params(data_len, || Ok(Vec::new()))?
+    } else {
+        let mut b = vec![0u8; SUPERBLOCK_SIZE as usize];
+        if hash_len < o.hash_offset + SUPERBLOCK_SIZE {
+            return Err(verity::Error::Truncated {
+                path: a.hashfile.clone(),
+                what: format!("a superblock at offset {}", o.hash_offset),
+                needed: o.hash_offset + SUPERBLOCK_SIZE,
+                actual: hash_len,
+            }
+            .into());
+        }
+        std::os::unix::fs::FileExt::read_exact_at(&hash_file, &mut b, o.hash_offset).with_context(
+            || format!("read {} at offset {}", a.hashfile.display(), o.hash_offset),
+        )?;
+        let sb = Superblock::decode(&b, &a.hashfile, o.hash_offset)?;
+        let p = sb.params;
+        // Options given alongside a superblock must agree with it.
+        let conflicts = [
+            (
+                "--hash",
+                o.hash
+                    .as_ref()
+                    .map(|h| h.to_ascii_lowercase() != p.algorithm.name()),
+            ),
+            (
+                "--data-block-size",
+                o.data_block_size.map(|v| v != p.data_block_size),
+            ),
+            (
+                "--hash-block-size",
+                o.hash_block_size.map(|v| v != p.hash_block_size),
+            ),
+            ("--data-blocks", o.data_blocks.map(|v| v != p.data_blocks)),
+            ("--format", o.format.map(|v| v != p.format.as_u32())),
+            (
+                "--salt",
+                o.salt
+                    .as_ref()
+                    .map(|s| parse_salt(s).map_or(true, |s| s != p.salt)),
+            ),
+        ];
+        if let Some((opt, _)) = conflicts.iter().find(|(_, c)| *c == Some(true)) {
+            bail!(
+                "{opt} differs from the superblock of {} at offset {}",
+                a.hashfile.display(),
+                o.hash_offset
+            );
+        }
+        if data_len / u64::from(p.data_block_size) < p.data_blocks {
+            return Err(verity::Error::Truncated {
+                path: a.data.clone(),
+                what: format!("{} data blocks of {}", p.data_blocks, p.data_block_size),
+                needed: p.data_size(),
+                actual: data_len,
+            }
+            .into());
+        }
+        p
+    };
+    let tree_off = verity::tree_offset(o.hash_offset, !o.no_superblock, params.hash_block_size);
+    let data = Input {
+        reader: &data_file,
+        name: &a.data,
+        len: data_len,
+    };
+    let hash = Input {
+        reader: &hash_file,
+        name: &a.hashfile,
+        len: hash_len,
+    };
+    match verity::verify_tree(data, &params, hash, tree_off, &root, None) {
+        Ok(()) => {
+            println!(
+                "Verified {} data blocks of {} bytes against root hash {}",
+                params.data_blocks,
+                params.data_block_size,
+                hex::encode(&root)
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Err(e) if e.is_integrity_error() => {
+            let area = if matches!(e, verity::Error::DataBlockMismatch { .. }) {
+                "data area"
+            } else {
+                "hash area"
+            };
+            eprintln!("vabc: Verification of {area} failed: {e}");
+            Ok(ExitCode::FAILURE)
+        }
+        Err(e) => Err(e.into()),
+    }
+}
