@@ -22,6 +22,8 @@ enum Command {
     Inspect(cmd::inspect::Args),
     /// Write the snapshot view (base + COW) to a new image file.
     Apply(cmd::apply::Args),
+    /// Merge a COW into its base image in place (crash-safe, resumable).
+    Merge(cmd::merge::Args),
     /// Build and check dm-verity hash trees (veritysetup compatible).
     Verity(cmd::verity::Args),
     /// Add and inspect unsigned AVB hashtree footers (avbtool layout, no FEC).
@@ -33,6 +35,7 @@ fn main() -> std::process::ExitCode {
     let result = match cli.command {
         Command::Inspect(a) => cmd::inspect::run(a),
         Command::Apply(a) => cmd::apply::run(a),
+        Command::Merge(a) => cmd::merge::run(a),
         Command::Verity(a) => cmd::verity::run(a),
         Command::Avb(a) => cmd::avb::run(a),
     };

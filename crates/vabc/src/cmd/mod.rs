@@ -1,4 +1,5 @@
 pub mod apply;
 pub mod avb;
 pub mod inspect;
+pub mod merge;
 pub mod verity;
