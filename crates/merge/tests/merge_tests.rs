@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -11,27 +11,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use common::*;
 use cow::{Codec, CowReader};
 use merge::view::MergingView;
-use merge::{Dev, Merge, MergeIo, MergeOptions, MergeStatus, SyncIo, UringIo};
+use merge::{Dev, Merge, MergeOptions, MergeStatus, UringIo};
 
 fn vectors() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/aosp-cow-vectors")
-}
-
-fn rw(p: &Path) -> File {
-    OpenOptions::new().read(true).write(true).open(p).unwrap()
-}
-
-#[derive(Clone, Copy, Debug)]
-enum Engine {
-    Sync,
-    Uring,
-}
-
-fn engine(e: Engine, base: &Path, cow: &Path) -> Box<dyn MergeIo> {
-    match e {
-        Engine::Sync => Box::new(SyncIo::new(rw(base), rw(cow))),
-        Engine::Uring => Box::new(UringIo::new(rw(base), rw(cow), 64).unwrap()),
-    }
 }
 
 /// Merge `cow` into `base` (files) to completion.
@@ -139,62 +122,6 @@ fn engines_give_identical_bytes() {
 
 /// Merge through a simulated disk that dies at event `k`, then check the
 /// snapshot view on what survived and resume to the end.
-struct Scenario<'a> {
-    cow_bytes: &'a [u8],
-    old: &'a [u8],
-    new: &'a [u8],
-    opts: MergeOptions,
-}
-
-fn crash_and_resume(sc: &Scenario, k: u64, how: Crash, resume_engine: Engine, dir: &Path) {
-    let Scenario {
-        cow_bytes,
-        old,
-        new,
-        opts,
-    } = *sc;
-    let cow_path = dir.join("c.cow");
-    std::fs::write(&cow_path, cow_bytes).unwrap();
-    let r = CowReader::open(&cow_path).unwrap();
-    let m = Merge::new(&r, old.len() as u64, PathBuf::from("base"), opts).unwrap();
-    let mut sim = SimDisk::new(old.to_vec(), cow_bytes.to_vec(), Some(k));
-    assert!(
-        m.run(&mut sim, &|_, _| {}).is_err(),
-        "no crash at event {k}"
-    );
-    let (base_after, cow_after) = sim.after_crash(how);
-    drop(m);
-    drop(r);
-    let base_path = dir.join("b.img");
-    std::fs::write(&base_path, &base_after).unwrap();
-    std::fs::write(&cow_path, &cow_after).unwrap();
-
-    // 1. What a restarted daemon serves before resuming: the new image.
-    let r = CowReader::open(&cow_path).unwrap();
-    let m = Merge::new(&r, old.len() as u64, base_path.clone(), opts).unwrap();
-    let status = Arc::new(MergeStatus::new());
-    m.load_status(&mut SyncIo::new(rw(&base_path), rw(&cow_path)), &status)
-        .unwrap();
-    let base = File::open(&base_path).unwrap();
-    let view = MergingView::new(&r, &base, &base_path, status).unwrap();
-    let mut blk = vec![0u8; BS];
-    for b in 0..(new.len() / BS) as u64 {
-        view.read_block(b, &mut blk).unwrap();
-        assert!(
-            blk == new[b as usize * BS..][..BS],
-            "crash at {k} ({how:?}): block {b} wrong before resume"
-        );
-    }
-    // 2. Resume to the end.
-    let mut io = engine(resume_engine, &base_path, &cow_path);
-    let rep = m.run(io.as_mut(), &|_, _| {}).unwrap();
-    assert!(rep.complete());
-    assert!(
-        std::fs::read(&base_path).unwrap() == new,
-        "crash at {k} ({how:?}): wrong image after resume"
-    );
-}
-
 #[test]
 fn crash_at_every_write_and_sync_then_resume() {
     let dir = tempfile::tempdir().unwrap();

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# bench/merge.sh: in-place merge, `sync` engine vs `uring` engine vs the
+# device limit, on corpus ext4 pairs, all in one run.
+#
+# For each pair: `vabc diff` old -> new (v3, lz4), then for each engine a
+# fresh copy of old.img and of the COW, caches dropped, `vabc merge --json`
+# (wall time, syscalls, fsyncs as counted by the engine), the result checked
+# against new.img. The device limit is the time to read the merge's source
+# bytes and write its destination bytes at the sequential bandwidth fio
+# measures on the same filesystem in the same run (1 MiB blocks, O_DIRECT,
+# writes ending in fsync).
+#
+# Usage: bench/merge.sh [-p "medium system"] [-c CORPUS_DIR] [-w WORKDIR]
+# Needs (Debian): fio; the corpus is built with ../shared/corpus/make-corpus.sh.
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+SHARED=${SHARED:-$ROOT/../shared}
+CORPUS=/tmp/corpus
+PAIRS="medium system"
+WORK=${TMPDIR:-/tmp}/vabc-bench-merge
+while getopts "p:c:w:" opt; do
+	case $opt in
+	p) PAIRS=$OPTARG ;;
+	c) CORPUS=$OPTARG ;;
+	w) WORK=$OPTARG ;;
+	*) sed -n '2,15p' "$0" >&2; exit 2 ;;
+	esac
+done
+command -v fio >/dev/null || { echo "missing fio (apt-get install fio)" >&2; exit 1; }
+(cd "$ROOT" && cargo build --release -q -p vabc)
+VABC=${CARGO_TARGET_DIR:-$ROOT/target}/release/vabc
+mkdir -p "$WORK"
+drop() { sync; if [ -w /proc/sys/vm/drop_caches ]; then echo 3 >/proc/sys/vm/drop_caches; fi; }
+now() { date +%s.%N; }
+
+# Sequential bandwidth of this filesystem, bytes/s.
+fio_bw() {
+	fio --name=bw --filename="$WORK/fio.dat" --size=1G --bs=1M --direct=1 --ioengine=psync \
+		--rw="$1" --end_fsync=1 --output-format=json 2>/dev/null |
+		python3 -c "import json,sys; j=json.load(sys.stdin)['jobs'][0]; print(int(j['$1']['bw_bytes']))"
+}
+fio --name=prep --filename="$WORK/fio.dat" --size=1G --bs=1M --rw=write --end_fsync=1 >/dev/null 2>&1
+READ_BW=$(fio_bw read)
+WRITE_BW=$(fio_bw write)
+rm -f "$WORK/fio.dat"
+
+echo "| pair | engine | ops | seconds | syscalls | fsyncs | MB read | MB written | device limit s | vs limit | speedup vs sync |"
+echo "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+for pair in $PAIRS; do
+	[ -e "$CORPUS/$pair/old.ext4.img" ] || bash "$SHARED/corpus/make-corpus.sh" -p "$pair" -o "$CORPUS" >&2
+	"$VABC" diff "$CORPUS/$pair/old.ext4.img" "$CORPUS/$pair/new.ext4.img" -o "$WORK/$pair.cow" >/dev/null
+	sync_s=
+	for engine in sync uring; do
+		cp "$CORPUS/$pair/old.ext4.img" "$WORK/base.img"
+		cp "$WORK/$pair.cow" "$WORK/merge.cow"
+		drop
+		t0=$(now)
+		"$VABC" merge --base "$WORK/base.img" --cow "$WORK/merge.cow" --engine "$engine" --json >"$WORK/report.json"
+		t1=$(now)
+		cmp "$WORK/base.img" "$CORPUS/$pair/new.ext4.img" || { echo "MISMATCH $pair $engine" >&2; exit 1; }
+		read -r ops sc fs br bw < <(python3 -c "import json; r=json.load(open('$WORK/report.json')); print(r['total_ops'], r['syscalls'], r['fsyncs'], r['bytes_read'], r['bytes_written'])")
+		secs=$(echo "$t1 - $t0" | bc -l)
+		limit=$(echo "$br / $READ_BW + $bw / $WRITE_BW" | bc -l)
+		[ "$engine" = sync ] && sync_s=$secs
+		printf '| %s | %s | %d | %.2f | %d | %d | %.1f | %.1f | %.2f | %.2fx | %.2fx |\n' "$pair" "$engine" "$ops" "$secs" "$sc" "$fs" \
+			"$(echo "$br / 1048576" | bc -l)" "$(echo "$bw / 1048576" | bc -l)" "$limit" "$(echo "$secs / $limit" | bc -l)" "$(echo "$sync_s / $secs" | bc -l)"
+	done
+done
+printf '\nfio on this filesystem: read %.0f MB/s, write %.0f MB/s (1 MiB, O_DIRECT)\n' "$(echo "$READ_BW / 1048576" | bc -l)" "$(echo "$WRITE_BW / 1048576" | bc -l)"
+echo "command: bench/merge.sh -p \"$PAIRS\"   ($(nproc) cores, $(uname -sr))"
+rm -f "$WORK/base.img" "$WORK/merge.cow"
