@@ -5,7 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 scripts/install-deps.sh
-cargo build --release -q -p vabc -p cow --example make_bench_cow
+cargo build --release -q -p vabc
+cargo build --release -q -p cow --example make_bench_cow
 VABC=target/release/vabc
 WORK=${DEMO_DIR:-${TMPDIR:-/tmp}/vabc-demo}
 rm -rf "$WORK"

@@ -190,3 +190,52 @@ fn incompressible_block_v2_gz_is_inflated() {
         assert_eq!(out, block, "v{version}");
     }
 }
+
+/// Version 1 (Android 12 prerelease): a 34-byte header without buffer_size,
+/// ops right after it, otherwise v2's records.
+#[test]
+fn reads_v1() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("v2.cow");
+    let mut w = CowWriter::create(
+        &p,
+        WriterOptions {
+            version: 2,
+            compression: Compression::new(Codec::Lz4),
+            cluster_ops: 4,
+            scratch: false,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    w.add_copy(3, 9, 2).unwrap();
+    let x: Vec<u8> = (0..4096).map(|i| (i % 11) as u8).collect();
+    w.add_xor_blocks(7, &x, 1, 7).unwrap();
+    w.add_label(5).unwrap();
+    w.add_zero_blocks(20, 3).unwrap();
+    w.finalize().unwrap();
+    let v2 = std::fs::read(&p).unwrap();
+    // Same stream, 4 bytes earlier: XOR payloads are found by the cursor,
+    // so nothing inside the stream moves.
+    let mut v1 = v2[..34].to_vec();
+    v1[8] = 1;
+    v1[12] = 34;
+    v1.extend_from_slice(&v2[38..]);
+    let q = dir.path().join("v1.cow");
+    std::fs::write(&q, &v1).unwrap();
+    let a = CowReader::open(&p).unwrap();
+    let b = CowReader::open(&q).unwrap();
+    assert_eq!(b.header().major_version, 1);
+    assert_eq!(a.ops().len(), b.ops().len());
+    for (x, y) in a.ops().iter().zip(b.ops()) {
+        assert_eq!(
+            (x.kind, x.new_block, x.source),
+            (y.kind, y.new_block, y.source)
+        );
+    }
+    let xor = b.ops().iter().find(|o| o.kind == cow::OpKind::Xor).unwrap();
+    let mut out = vec![0u8; 4096];
+    b.read_payload(xor, &mut out).unwrap();
+    assert_eq!(out, x);
+    assert_eq!(b.labels()[0].label, 5);
+}
