@@ -107,7 +107,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let d = i * BS;
         match *k {
             K::Same => {}
-            K::Copy(s) => new.copy_within(s * BS..(s + 1) * BS, d),
+            K::Copy(s) => new[d..d + BS].copy_from_slice(&base[s * BS..(s + 1) * BS]),
             K::Xor(s) => {
                 // A slightly edited copy of base data at an unaligned offset.
                 let mut blk = base[s * BS + off..s * BS + off + BS].to_vec();
