@@ -28,6 +28,8 @@ enum Command {
     Verity(cmd::verity::Args),
     /// Add and inspect unsigned AVB hashtree footers (avbtool layout, no FEC).
     Avb(cmd::avb::Args),
+    /// Serve the new image (base + COW) through FUSE, a read-only mount, or NBD.
+    Serve(cmd::serve::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -38,6 +40,7 @@ fn main() -> std::process::ExitCode {
         Command::Merge(a) => cmd::merge::run(a),
         Command::Verity(a) => cmd::verity::run(a),
         Command::Avb(a) => cmd::avb::run(a),
+        Command::Serve(a) => cmd::serve::run(a),
     };
     match result {
         Ok(code) => code,

@@ -2,4 +2,5 @@ pub mod apply;
 pub mod avb;
 pub mod inspect;
 pub mod merge;
+pub mod serve;
 pub mod verity;

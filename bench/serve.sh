@@ -1,0 +1,148 @@
+#!/usr/bin/env bash
+# Serving the new image of an update before merging, measured against two anchors in
+# the same run (notes/serving.md explains the stacks):
+#   loop-raw  a loop device (direct I/O) on the raw new.img: the limit of this machine
+#   vabc      vabc serve --fuse (base + COW) + loop device (direct I/O)
+#   qsd       qemu-storage-daemon's FUSE export of the raw new.img + loop (direct I/O):
+#             a peer that serves a plain file, so an upper bound for a FUSE daemon
+# Data: the corpus pair `system` (ext4), COW made with `vabc diff` (v3, lz4, 64 KiB).
+# fio on the loop device, page cache dropped before each job:
+#   seq 1 MiB QD1 (psync) and QD8 (io_uring); rand 4 KiB QD1 (psync) and QD32 (io_uring).
+# Then one buffered read of the whole device and a mincore count of every cache layer
+# (loop device, FUSE file, files the daemon reads): "copies" = cached bytes / image size.
+# Targets (issue 4): rand 4K QD32 >= 1.5x qsd; seq 1M >= 0.8x loop-raw.
+#
+# Needs root, fio, qemu-storage-daemon (qemu-system-common), python3.
+# Usage: bench/serve.sh [PAIR]        (default system; RUNTIME=8 seconds per random job)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PAIR=${1:-system}
+RUNTIME=${RUNTIME:-8}
+SEQ_SIZE=${SEQ_SIZE:-512M}
+CORPUS=${CORPUS:-${TMPDIR:-/tmp}/corpus}
+WORK=${BENCH_DIR:-${TMPDIR:-/tmp}/vabc-bench-serve}
+mkdir -p "$WORK"
+
+OLD=$CORPUS/$PAIR/old.ext4.img
+NEW=$CORPUS/$PAIR/new.ext4.img
+[ -f "$NEW" ] || bash ../shared/corpus/make-corpus.sh -p "$PAIR" -o "$CORPUS"
+
+cargo build --release -q -p vabc
+VABC=${CARGO_TARGET_DIR:-target}/release/vabc
+COW=$WORK/$PAIR.cow
+[ -f "$COW" ] && [ "$COW" -nt "$NEW" ] || "$VABC" diff "$OLD" "$NEW" -o "$COW" >/dev/null
+SIZE=$(stat -c %s "$NEW")
+
+LOOP="" DAEMON="" MNT=""
+cleanup() {
+	exec 9<&- 2>/dev/null || true
+	[ -n "$LOOP" ] && losetup -d "$LOOP" 2>/dev/null || true
+	LOOP=""
+	if [ -n "$DAEMON" ]; then kill -TERM "$DAEMON" 2>/dev/null || true; wait "$DAEMON" 2>/dev/null || true; fi
+	DAEMON=""
+	[ -n "$MNT" ] && mountpoint -q "$MNT" && umount "$MNT" 2>/dev/null || true
+	MNT=""
+}
+trap cleanup EXIT
+
+drop() { sync; echo 3 >/proc/sys/vm/drop_caches; }
+
+# MiB of PATH resident in the page cache (mincore over a read-only mapping; works for
+# block devices too, which fincore does not).
+resident() {
+	python3 - "$1" <<'PY'
+import ctypes, os, sys
+libc = ctypes.CDLL("libc.so.6", use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+fd = os.open(sys.argv[1], os.O_RDONLY)
+size = os.lseek(fd, 0, os.SEEK_END)
+addr = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+if addr in (None, ctypes.c_void_p(-1).value):
+    print("n/a")  # FUSE direct_io files cannot be mapped: they have no page cache
+    sys.exit()
+page = os.sysconf("SC_PAGE_SIZE")
+vec = ctypes.create_string_buffer((size + page - 1) // page)
+assert libc.mincore(addr, size, vec) == 0
+print(sum(b & 1 for b in vec.raw) * page // 2**20)
+libc.munmap(addr, size)
+PY
+}
+
+fio_job() { # TARGET NAME RW BS ENGINE DEPTH [extra...]
+	local t=$1 name=$2 rw=$3 bs=$4 eng=$5 qd=$6
+	shift 6
+	drop
+	fio --name="$name" --filename="$t" --rw="$rw" --bs="$bs" --direct=1 --ioengine="$eng" \
+		--iodepth="$qd" --output-format=json "$@" 2>/dev/null |
+		python3 -c 'import json,sys; j=json.load(sys.stdin)["jobs"][0]["read"]; print("%.0f %.0f" % (j["bw_bytes"]/2**20, j["iops"]))'
+}
+
+declare -A R
+measure() { # CONFIG LOOPDEV FILES-TO-COUNT...
+	local cfg=$1 dev=$2
+	shift 2
+	R[$cfg.seq1]=$(fio_job "$dev" seq1 read 1M psync 1 --size="$SEQ_SIZE" | cut -d' ' -f1)
+	R[$cfg.seq8]=$(fio_job "$dev" seq8 read 1M io_uring 8 --size="$SEQ_SIZE" | cut -d' ' -f1)
+	R[$cfg.rnd1]=$(fio_job "$dev" rnd1 randread 4k psync 1 --runtime="$RUNTIME" --time_based --randrepeat=0 | cut -d' ' -f2)
+	R[$cfg.rnd32]=$(fio_job "$dev" rnd32 randread 4k io_uring 32 --runtime="$RUNTIME" --time_based --randrepeat=0 | cut -d' ' -f2)
+	# Whole device read once, buffered, device kept open so its cache survives.
+	drop
+	exec 9<"$dev"
+	dd if="$dev" of=/dev/null bs=1M status=none
+	local layers="" total=0 f r
+	for f in "$dev" "$@"; do
+		r=$(resident "$f")
+		layers+="$(basename "$f")=${r} "
+		[ "$r" != n/a ] && total=$((total + r))
+	done
+	exec 9<&-
+	R[$cfg.cache]=$layers
+	R[$cfg.copies]=$(echo "scale=2; $total / ($SIZE / 1048576)" | bc -l)
+}
+
+# (a) loop on the raw new image
+LOOP=$(losetup --find --show --read-only --direct-io=on "$NEW")
+measure loop-raw "$LOOP" "$NEW"
+cleanup
+
+# (b) vabc: FUSE export of base + COW, loop on top
+mkdir -p "$WORK/fuse"
+"$VABC" serve --base "$OLD" --cow "$COW" --size "$SIZE" --fuse "$WORK/fuse" >"$WORK/serve.log" 2>&1 &
+DAEMON=$!
+for _ in $(seq 100); do grep -q ready "$WORK/serve.log" && break; sleep 0.1; done
+grep -q ready "$WORK/serve.log" || { cat "$WORK/serve.log"; exit 1; }
+MNT=$WORK/fuse
+LOOP=$(losetup --find --show --read-only --direct-io=on "$WORK/fuse/disk.img")
+measure vabc "$LOOP" "$WORK/fuse/disk.img" "$OLD" "$COW"
+cleanup
+
+# (c) qemu-storage-daemon FUSE export of the raw new image, loop on top
+touch "$WORK/qsdfile"
+qemu-storage-daemon \
+	--blockdev driver=file,node-name=file0,filename="$NEW",cache.direct=on,aio=io_uring,read-only=on \
+	--blockdev driver=raw,node-name=fmt0,file=file0,read-only=on \
+	--export type=fuse,id=exp0,node-name=fmt0,mountpoint="$WORK/qsdfile",writable=off &
+DAEMON=$!
+MNT=$WORK/qsdfile
+for _ in $(seq 100); do mountpoint -q "$WORK/qsdfile" && break; sleep 0.1; done
+LOOP=$(losetup --find --show --read-only --direct-io=on "$WORK/qsdfile")
+measure qsd "$LOOP" "$WORK/qsdfile" "$NEW"
+cleanup
+
+ratio() { echo "scale=2; $1 / $2" | bc -l; }
+echo
+echo "pair $PAIR: new.ext4.img $((SIZE / 1048576)) MiB, COW $(($(stat -c %s "$COW") / 1048576)) MiB; $(nproc) CPUs, load $(cut -d' ' -f1 /proc/loadavg)"
+echo
+echo "| config | seq 1M QD1 MiB/s | seq 1M QD8 MiB/s | rand 4K QD1 IOPS | rand 4K QD32 IOPS | page-cache copies after one full read (MiB per layer) |"
+echo "|---|---|---|---|---|---|"
+for c in loop-raw vabc qsd; do
+	echo "| $c | ${R[$c.seq1]} | ${R[$c.seq8]} | ${R[$c.rnd1]} | ${R[$c.rnd32]} | ${R[$c.copies]} (${R[$c.cache]% }) |"
+done
+echo
+echo "vabc / loop-raw, seq 1M QD1: $(ratio "${R[vabc.seq1]}" "${R[loop-raw.seq1]}")  QD8: $(ratio "${R[vabc.seq8]}" "${R[loop-raw.seq8]}")   (target >= 0.8)"
+echo "vabc / qsd, rand 4K QD32: $(ratio "${R[vabc.rnd32]}" "${R[qsd.rnd32]}")   QD1: $(ratio "${R[vabc.rnd1]}" "${R[qsd.rnd1]}")   (target >= 1.5)"
+echo
+echo "reproduce: sudo bench/serve.sh $PAIR   (RUNTIME=$RUNTIME SEQ_SIZE=$SEQ_SIZE)"

@@ -1,0 +1,693 @@
+//! The snapshot device: the new image assembled from the base image and a COW.
+//!
+//! Read path (spec §4.2, AOSP `read_worker.cpp`), per request:
+//! 1. *Plan*: one binary search in the extent index for the first block, then a linear
+//!    walk that cuts `[offset, offset + len)` into segments. Consecutive base reads
+//!    (unchanged blocks and COPY ops whose sources are consecutive) coalesce into one
+//!    segment, hence one `pread`; so do consecutive ZERO blocks.
+//! 2. *Execute*: with two or more REPLACE segments, they are decoded on the decode pool
+//!    (one worker per CPU, rayon's per-worker deques); with several separate base reads
+//!    (scattered COPY sources, XOR), those go to a small I/O pool so they are in flight
+//!    together. Small requests (the common random 4 KiB read) run inline on the calling
+//!    thread, with no thread hop.
+//!
+//! Decoded multi-block units that a request covers only partly go to a bounded cache;
+//! a fully covered unit is decoded straight into the caller's buffer.
+
+use std::cell::RefCell;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use cow::{CowReader, Op, OpKind};
+use smallvec::SmallVec;
+
+use crate::cache::UnitCache;
+use crate::error::{EngineError, Result};
+use crate::io::ImageFile;
+use crate::{BLOCK_SIZE, BlockDevice, check_range};
+
+const BS: u64 = BLOCK_SIZE as u64;
+/// Requests with at least this many separate base reads issue them concurrently.
+const IO_FANOUT_MIN: usize = 4;
+
+/// Where a COPY/XOR block is read from while a merge runs (spec §4.5).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MergeRedirect {
+    /// Not merged yet: read the source (+ XOR payload) as usual.
+    Cow,
+    /// Already merged: the new data is in the base image at the destination block.
+    BaseAtNewBlock,
+}
+
+/// Hook for serving reads during a merge. The merge thread (later) implements it from its
+/// group states; the engine asks it for every COPY/XOR op it is about to read.
+/// REPLACE/ZERO blocks are always served from the COW, before and after their merge, as
+/// snapuserd does. Scratch-area reads (groups RA_READY/IN_PROGRESS) will add a variant.
+pub trait MergeHook: Send + Sync {
+    fn redirect(&self, op_index: usize, op: &Op) -> MergeRedirect;
+}
+
+/// Hook for a block verifier (dm-verity hash tree, later). Called with every block a
+/// read returns, fully assembled, before the data leaves the engine.
+pub trait BlockVerifier: Send + Sync {
+    fn verify(&self, block: u64, data: &[u8]) -> std::result::Result<(), String>;
+}
+
+/// Options for [`CowEngine::open`].
+#[derive(Clone, Debug)]
+pub struct CowEngineOptions {
+    /// Size of the new image in bytes. Default: the base size, extended to cover every op.
+    pub size: Option<u64>,
+    /// Byte budget of the decoded-unit cache (0 disables it).
+    pub cache_bytes: usize,
+    /// Decode workers; 0 means one per CPU.
+    pub decode_threads: usize,
+    /// Read the base image with `O_DIRECT` where alignment allows.
+    pub direct_io: bool,
+    /// Threads that issue the base reads of one large request concurrently. Blocking
+    /// `pread`s, not CPU work, hence more than one per CPU: with `O_DIRECT` a 1 MiB
+    /// request of scattered COPY/XOR sources is otherwise a chain of serial disk reads.
+    pub io_threads: usize,
+}
+
+impl Default for CowEngineOptions {
+    fn default() -> Self {
+        CowEngineOptions {
+            size: None,
+            cache_bytes: 64 << 20,
+            decode_threads: 0,
+            direct_io: true,
+            io_threads: 8,
+        }
+    }
+}
+
+/// Counters for tests and diagnostics.
+#[derive(Debug, Default)]
+pub struct EngineStats {
+    pub base_reads: AtomicU64,
+    pub unit_decodes: AtomicU64,
+    pub cache_hits: AtomicU64,
+    pub parallel_requests: AtomicU64,
+}
+
+/// Destination blocks `[start, start + len)` are written by `ops[op]`.
+#[derive(Clone, Copy, Debug)]
+struct Extent {
+    start: u64,
+    len: u32,
+    op: u32,
+}
+
+impl Extent {
+    fn end(&self) -> u64 {
+        self.start + u64::from(self.len)
+    }
+}
+
+/// A piece of one read request. Lengths are in bytes and sum to the request length.
+#[derive(Clone, Copy, Debug)]
+enum Seg {
+    Base {
+        offset: u64,
+        len: usize,
+    },
+    Zero {
+        len: usize,
+    },
+    Replace {
+        op: u32,
+        unit_offset: usize,
+        len: usize,
+    },
+    Xor {
+        op: u32,
+        block_offset: usize,
+        len: usize,
+    },
+}
+
+impl Seg {
+    fn len(&self) -> usize {
+        match *self {
+            Seg::Base { len, .. }
+            | Seg::Zero { len }
+            | Seg::Replace { len, .. }
+            | Seg::Xor { len, .. } => len,
+        }
+    }
+}
+
+thread_local! {
+    // Plans are rebuilt per request; reusing the vector keeps the hot path allocation-free.
+    static PLAN: RefCell<Vec<Seg>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Base image + COW, served as the new image.
+pub struct CowEngine {
+    base: ImageFile,
+    reader: CowReader,
+    cow_path: PathBuf,
+    index: Vec<Extent>,
+    size: u64,
+    cache: UnitCache,
+    pool: Option<rayon::ThreadPool>,
+    io_pool: Option<rayon::ThreadPool>,
+    merge: Option<Arc<dyn MergeHook>>,
+    verifier: Option<Arc<dyn BlockVerifier>>,
+    stats: EngineStats,
+}
+
+impl std::fmt::Debug for CowEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CowEngine")
+            .field("base", &self.base.path())
+            .field("cow", &self.cow_path)
+            .field("size", &self.size)
+            .field("extents", &self.index.len())
+            .finish()
+    }
+}
+
+impl CowEngine {
+    /// Opens `base` and `cow`, builds the block index and checks that they fit together:
+    /// every COPY/XOR source lies inside the base, and every block of the new image past
+    /// the end of the base is written by an op.
+    pub fn open(base: &Path, cow: &Path, opts: &CowEngineOptions) -> Result<CowEngine> {
+        let base = ImageFile::open(base, opts.direct_io)?;
+        let reader = CowReader::open(cow)?;
+        Self::from_parts(base, reader, cow, opts)
+    }
+
+    /// Like [`open`](Self::open) with an already parsed COW.
+    pub fn from_parts(
+        base: ImageFile,
+        reader: CowReader,
+        cow_path: &Path,
+        opts: &CowEngineOptions,
+    ) -> Result<CowEngine> {
+        let mismatch = |path: &Path, msg: String| EngineError::Mismatch {
+            path: path.to_path_buf(),
+            msg,
+        };
+        let ops = reader.ops();
+        if ops.len() > u32::MAX as usize {
+            return Err(mismatch(
+                cow_path,
+                format!("{} ops is more than this engine indexes", ops.len()),
+            ));
+        }
+        let base_size = base.size();
+        let mut ops_end_block = 0u64;
+        for (i, op) in ops.iter().enumerate() {
+            let source_end = match op.kind {
+                OpKind::Copy => Some((op.source + u64::from(op.blocks)) * BS),
+                OpKind::Xor => Some(op.source + BS),
+                OpKind::Replace | OpKind::Zero => None,
+            };
+            if op.kind == OpKind::Xor && op.blocks != 1 {
+                return Err(mismatch(
+                    cow_path,
+                    format!(
+                        "XOR op {i} for new block {} covers {} blocks; XOR ops are single-block",
+                        op.new_block, op.blocks
+                    ),
+                ));
+            }
+            if let Some(end) = source_end
+                && end > base_size
+            {
+                return Err(mismatch(
+                    base.path(),
+                    format!(
+                        "base image is {base_size} bytes but {} op {i} (new block {}) reads source bytes up to {end}: wrong base for this COW?",
+                        op.kind, op.new_block
+                    ),
+                ));
+            }
+            ops_end_block = ops_end_block.max(op.end_block());
+        }
+        let index = build_index(&reader);
+        let needed = ops_end_block * BS;
+        let size = match opts.size {
+            Some(s) if s < needed => {
+                return Err(mismatch(
+                    cow_path,
+                    format!(
+                        "image size {s} is smaller than the {needed} bytes the COW's ops cover"
+                    ),
+                ));
+            }
+            Some(s) => s,
+            None => base_size.max(needed),
+        };
+        // Blocks past the base that no op writes would read as zeros: on a real device
+        // update_engine writes every block of a grown partition, so such a hole means the
+        // base is not the image this COW was made against.
+        if size > base_size {
+            let first = base_size / BS;
+            let last = size.div_ceil(BS);
+            let mut b = first;
+            let mut i = index.partition_point(|e| e.end() <= b);
+            while b < last {
+                if i < index.len() && index[i].start <= b {
+                    b = index[i].end();
+                    i += 1;
+                } else {
+                    return Err(mismatch(
+                        base.path(),
+                        format!(
+                            "base image is {base_size} bytes, the new image {size} bytes, and block {b} is in neither the base nor the COW: wrong or truncated base?"
+                        ),
+                    ));
+                }
+            }
+        }
+
+        let threads = if opts.decode_threads == 0 {
+            std::thread::available_parallelism().map_or(2, |n| n.get())
+        } else {
+            opts.decode_threads
+        };
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("vabc-decode-{i}"))
+            .build()
+            .ok();
+        let io_pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(opts.io_threads.max(1))
+            .thread_name(|i| format!("vabc-io-{i}"))
+            .build()
+            .ok();
+
+        Ok(CowEngine {
+            base,
+            reader,
+            cow_path: cow_path.to_path_buf(),
+            index,
+            size,
+            cache: UnitCache::new(opts.cache_bytes),
+            pool,
+            io_pool,
+            merge: None,
+            verifier: None,
+            stats: EngineStats::default(),
+        })
+    }
+
+    /// Installs the merge-state hook (spec §4.5).
+    pub fn set_merge_hook(&mut self, hook: Arc<dyn MergeHook>) {
+        self.merge = Some(hook);
+    }
+
+    /// Installs a verifier that sees every block before it is returned.
+    pub fn set_verifier(&mut self, verifier: Arc<dyn BlockVerifier>) {
+        self.verifier = Some(verifier);
+    }
+
+    pub fn reader(&self) -> &CowReader {
+        &self.reader
+    }
+
+    pub fn base(&self) -> &ImageFile {
+        &self.base
+    }
+
+    pub fn stats(&self) -> &EngineStats {
+        &self.stats
+    }
+
+    /// Appends the segments of `[offset, offset + len)` to `plan`.
+    fn plan(&self, offset: u64, len: usize, plan: &mut Vec<Seg>) {
+        let ops = self.reader.ops();
+        let end = offset + len as u64;
+        let mut pos = offset;
+        let mut i = self.index.partition_point(|e| e.end() <= pos / BS);
+        while pos < end {
+            let block = pos / BS;
+            while i < self.index.len() && self.index[i].end() <= block {
+                i += 1;
+            }
+            let ext = self.index.get(i).copied().filter(|e| e.start <= block);
+            let Some(ext) = ext else {
+                // Unchanged region up to the next op (or the end of the request).
+                let next = self.index.get(i).map_or(u64::MAX, |e| e.start * BS);
+                let seg_end = end.min(next);
+                self.push_identity(pos, seg_end, plan);
+                pos = seg_end;
+                continue;
+            };
+            let op = &ops[ext.op as usize];
+            let op_start = op.new_block * BS;
+            let mut kind = op.kind;
+            if kind.is_ordered()
+                && let Some(hook) = &self.merge
+                && hook.redirect(ext.op as usize, op) == MergeRedirect::BaseAtNewBlock
+            {
+                let seg_end = end.min(ext.end() * BS);
+                self.push_identity(pos, seg_end, plan);
+                pos = seg_end;
+                continue;
+            }
+            if kind == OpKind::Copy && op.blocks == 0 {
+                kind = OpKind::Zero;
+            }
+            let seg_end = match kind {
+                OpKind::Xor => end.min((block + 1) * BS),
+                _ => end.min(ext.end() * BS),
+            };
+            let n = (seg_end - pos) as usize;
+            let seg = match kind {
+                OpKind::Copy => Seg::Base {
+                    offset: op.source * BS + (pos - op_start),
+                    len: n,
+                },
+                OpKind::Zero => Seg::Zero { len: n },
+                OpKind::Replace => Seg::Replace {
+                    op: ext.op,
+                    unit_offset: (pos - op_start) as usize,
+                    len: n,
+                },
+                OpKind::Xor => Seg::Xor {
+                    op: ext.op,
+                    block_offset: (pos - op_start) as usize,
+                    len: n,
+                },
+            };
+            push_coalesced(plan, seg);
+            pos = seg_end;
+        }
+    }
+
+    /// Bytes `[pos, end)` of the new image equal the base; past the base they are zero.
+    fn push_identity(&self, pos: u64, end: u64, plan: &mut Vec<Seg>) {
+        let base_end = self.base.size();
+        if pos < base_end {
+            let e = end.min(base_end);
+            push_coalesced(
+                plan,
+                Seg::Base {
+                    offset: pos,
+                    len: (e - pos) as usize,
+                },
+            );
+        }
+        if end > base_end {
+            let s = pos.max(base_end);
+            push_coalesced(
+                plan,
+                Seg::Zero {
+                    len: (end - s) as usize,
+                },
+            );
+        }
+    }
+
+    fn execute(&self, plan: &[Seg], buf: &mut [u8]) -> Result<()> {
+        let replaces = plan
+            .iter()
+            .filter(|s| matches!(s, Seg::Replace { .. }))
+            .count();
+        let reads = plan
+            .iter()
+            .filter(|s| matches!(s, Seg::Base { .. } | Seg::Xor { .. }))
+            .count();
+        let fan_decode = replaces >= 2;
+        let fan_io = reads >= IO_FANOUT_MIN;
+        let pools = match (&self.pool, &self.io_pool) {
+            (Some(d), Some(i)) if fan_decode || fan_io => Some((d, i)),
+            _ => None,
+        };
+        let Some((decode_pool, io_pool)) = pools else {
+            let mut rest = buf;
+            for seg in plan {
+                let (head, tail) = std::mem::take(&mut rest).split_at_mut(seg.len());
+                rest = tail;
+                self.run_seg(*seg, head)?;
+            }
+            return Ok(());
+        };
+        self.stats.parallel_requests.fetch_add(1, Ordering::Relaxed);
+        let first_error: Mutex<Option<EngineError>> = Mutex::new(None);
+        let record = |r: Result<()>| {
+            if let Err(e) = r {
+                let mut slot = first_error.lock().unwrap_or_else(|p| p.into_inner());
+                slot.get_or_insert(e);
+            }
+        };
+        io_pool.in_place_scope(|io_scope| {
+            decode_pool.in_place_scope(|decode_scope| {
+                let mut inline: SmallVec<[(Seg, &mut [u8]); 16]> = SmallVec::new();
+                let mut rest = buf;
+                for seg in plan {
+                    let (head, tail) = std::mem::take(&mut rest).split_at_mut(seg.len());
+                    rest = tail;
+                    let (seg, record) = (*seg, &record);
+                    match seg {
+                        Seg::Replace { .. } if fan_decode => {
+                            decode_scope.spawn(move |_| record(self.run_seg(seg, head)))
+                        }
+                        Seg::Base { .. } | Seg::Xor { .. } if fan_io => {
+                            io_scope.spawn(move |_| record(self.run_seg(seg, head)))
+                        }
+                        _ => inline.push((seg, head)),
+                    }
+                }
+                for (seg, head) in inline {
+                    record(self.run_seg(seg, head));
+                }
+            })
+        });
+        match first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    fn run_seg(&self, seg: Seg, dst: &mut [u8]) -> Result<()> {
+        match seg {
+            Seg::Base { offset, .. } => {
+                self.stats.base_reads.fetch_add(1, Ordering::Relaxed);
+                self.base.read_exact_at(dst, offset)
+            }
+            Seg::Zero { .. } => {
+                dst.fill(0);
+                Ok(())
+            }
+            Seg::Replace {
+                op,
+                unit_offset,
+                len,
+            } => self.read_replace(op, unit_offset, len, dst),
+            Seg::Xor {
+                op,
+                block_offset,
+                len,
+            } => self.read_xor(op, block_offset, len, dst),
+        }
+    }
+
+    fn read_replace(
+        &self,
+        op_index: u32,
+        unit_offset: usize,
+        len: usize,
+        dst: &mut [u8],
+    ) -> Result<()> {
+        let op = &self.reader.ops()[op_index as usize];
+        let unit = op.unit_size();
+        if unit_offset == 0 && len == unit {
+            self.stats.unit_decodes.fetch_add(1, Ordering::Relaxed);
+            self.reader.read_payload(op, dst)?;
+            return Ok(());
+        }
+        if op.blocks == 1 {
+            let mut tmp = [0u8; BLOCK_SIZE];
+            self.stats.unit_decodes.fetch_add(1, Ordering::Relaxed);
+            self.reader.read_payload(op, &mut tmp)?;
+            dst.copy_from_slice(&tmp[unit_offset..unit_offset + len]);
+            return Ok(());
+        }
+        let data = match self.cache.get(op_index) {
+            Some(d) => {
+                self.stats.cache_hits.fetch_add(1, Ordering::Relaxed);
+                d
+            }
+            None => {
+                let mut v = vec![0u8; unit];
+                self.stats.unit_decodes.fetch_add(1, Ordering::Relaxed);
+                self.reader.read_payload(op, &mut v)?;
+                let v = Arc::new(v);
+                self.cache.insert(op_index, v.clone());
+                v
+            }
+        };
+        dst.copy_from_slice(&data[unit_offset..unit_offset + len]);
+        Ok(())
+    }
+
+    fn read_xor(
+        &self,
+        op_index: u32,
+        block_offset: usize,
+        len: usize,
+        dst: &mut [u8],
+    ) -> Result<()> {
+        let op = &self.reader.ops()[op_index as usize];
+        let mut payload = [0u8; BLOCK_SIZE];
+        self.reader.read_payload(op, &mut payload)?;
+        self.stats.base_reads.fetch_add(1, Ordering::Relaxed);
+        if block_offset == 0 && len == BLOCK_SIZE {
+            self.base.read_exact_at(dst, op.source)?;
+            xor_into(dst, &payload);
+        } else {
+            let mut src = [0u8; BLOCK_SIZE];
+            self.base.read_exact_at(&mut src, op.source)?;
+            xor_into(&mut src, &payload);
+            dst.copy_from_slice(&src[block_offset..block_offset + len]);
+        }
+        Ok(())
+    }
+
+    fn read_unverified(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        PLAN.with(|cell| {
+            // A verifier may re-enter read_at for partial blocks; fall back to a fresh
+            // vector then instead of panicking on the borrow.
+            let mut owned;
+            let mut guard;
+            let plan: &mut Vec<Seg> = match cell.try_borrow_mut() {
+                Ok(g) => {
+                    guard = g;
+                    &mut guard
+                }
+                Err(_) => {
+                    owned = Vec::new();
+                    &mut owned
+                }
+            };
+            plan.clear();
+            self.plan(offset, buf.len(), plan);
+            self.execute(plan, buf)
+        })
+    }
+
+    fn verify(&self, verifier: &dyn BlockVerifier, buf: &[u8], offset: u64) -> Result<()> {
+        let end = offset + buf.len() as u64;
+        let mut block = offset / BS;
+        let mut tmp = [0u8; BLOCK_SIZE];
+        while block * BS < end {
+            let bstart = block * BS;
+            let data: &[u8] = if bstart >= offset && bstart + BS <= end {
+                &buf[(bstart - offset) as usize..(bstart - offset + BS) as usize]
+            } else {
+                let n = (self.size - bstart).min(BS) as usize;
+                self.read_unverified(&mut tmp[..n], bstart)?;
+                &tmp[..n]
+            };
+            verifier
+                .verify(block, data)
+                .map_err(|msg| EngineError::Verify { block, msg })?;
+            block += 1;
+        }
+        Ok(())
+    }
+}
+
+/// Sorted, non-overlapping extents that resolve every block exactly as
+/// `CowReader::find_block` does (duplicates: the first op in stream order, as snapuserd
+/// serves; an op starting inside a multi-block unit takes over from there).
+fn build_index(reader: &CowReader) -> Vec<Extent> {
+    let ops = reader.ops();
+    let mut index: Vec<Extent> = reader
+        .block_index()
+        .iter()
+        .filter(|&&i| ops[i as usize].blocks > 0)
+        .map(|&i| Extent {
+            start: ops[i as usize].new_block,
+            len: ops[i as usize].blocks,
+            op: i,
+        })
+        .collect();
+    if index.windows(2).all(|w| w[0].end() <= w[1].start) {
+        return index;
+    }
+    // Rare: partly overlapping units. Resolve block by block through the reader itself
+    // so both agree by construction, then merge runs of the same op.
+    let mut blocks: Vec<u64> = index.iter().flat_map(|e| e.start..e.end()).collect();
+    blocks.sort_unstable();
+    blocks.dedup();
+    index.clear();
+    let base = ops.as_ptr() as usize;
+    for b in blocks {
+        let Some((op, _)) = reader.find_block(b) else {
+            continue;
+        };
+        let op_idx = ((op as *const Op as usize - base) / std::mem::size_of::<Op>()) as u32;
+        match index.last_mut() {
+            Some(last) if last.op == op_idx && last.end() == b => last.len += 1,
+            _ => index.push(Extent {
+                start: b,
+                len: 1,
+                op: op_idx,
+            }),
+        }
+    }
+    index
+}
+
+fn push_coalesced(plan: &mut Vec<Seg>, seg: Seg) {
+    if let Some(last) = plan.last_mut() {
+        match (last, seg) {
+            (
+                Seg::Base { offset, len },
+                Seg::Base {
+                    offset: o2,
+                    len: l2,
+                },
+            ) if *offset + *len as u64 == o2 => {
+                *len += l2;
+                return;
+            }
+            (Seg::Zero { len }, Seg::Zero { len: l2 }) => {
+                *len += l2;
+                return;
+            }
+            _ => {}
+        }
+    }
+    plan.push(seg);
+}
+
+fn xor_into(dst: &mut [u8], src: &[u8]) {
+    // u64 lanes: AOSP measured ~30% faster than bytewise (spec §4.4); the compiler
+    // vectorises this form.
+    let mut d = dst.chunks_exact_mut(8);
+    let mut s = src.chunks_exact(8);
+    for (a, b) in (&mut d).zip(&mut s) {
+        let x = u64::from_ne_bytes(a.try_into().unwrap_or([0; 8]))
+            ^ u64::from_ne_bytes(b.try_into().unwrap_or([0; 8]));
+        a.copy_from_slice(&x.to_ne_bytes());
+    }
+    for (a, b) in d.into_remainder().iter_mut().zip(s.remainder()) {
+        *a ^= b;
+    }
+}
+
+impl BlockDevice for CowEngine {
+    fn size(&self) -> u64 {
+        self.size
+    }
+
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        check_range(offset, buf.len(), self.size)?;
+        if buf.is_empty() {
+            return Ok(());
+        }
+        self.read_unverified(buf, offset)?;
+        if let Some(v) = &self.verifier {
+            self.verify(v.as_ref(), buf, offset)?;
+        }
+        Ok(())
+    }
+}

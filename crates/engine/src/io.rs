@@ -1,0 +1,186 @@
+//! Positional reads of a backing image, optionally with `O_DIRECT`.
+//!
+//! With FUSE `direct_io` and a loop device in direct-I/O mode above us, the daemon's own
+//! page cache of the base image is the last duplicate copy of the data (notes/serving.md
+//! §5.5). Opening the base `O_DIRECT` removes it. `O_DIRECT` needs aligned offsets,
+//! lengths and memory, so a second, buffered descriptor serves the rare unaligned reads
+//! (XOR sources at a byte offset, partial head/tail blocks).
+
+use std::fs::File;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use crate::error::{EngineError, Result};
+
+/// Alignment required of `O_DIRECT` transfers. 4 KiB satisfies every logical block size
+/// a Linux block device reports, so it is safe without querying `STATX_DIOALIGN`.
+pub const DIRECT_ALIGN: usize = 4096;
+
+/// A read-only image file read with `pread`.
+#[derive(Debug)]
+pub struct ImageFile {
+    path: PathBuf,
+    buffered: File,
+    direct: Option<File>,
+    size: u64,
+}
+
+impl ImageFile {
+    /// Opens `path` read-only. With `direct`, aligned reads bypass the page cache; if the
+    /// file system refuses `O_DIRECT` (tmpfs), the buffered descriptor is used for all.
+    pub fn open(path: &Path, direct: bool) -> Result<ImageFile> {
+        let io_err = |op, source| EngineError::Io {
+            op,
+            path: path.to_path_buf(),
+            offset: 0,
+            source,
+        };
+        let buffered = File::open(path).map_err(|e| io_err("open", e))?;
+        let meta = buffered.metadata().map_err(|e| io_err("stat", e))?;
+        let size = if meta.file_type().is_file() {
+            meta.len()
+        } else {
+            block_device_size(&buffered).map_err(|e| io_err("query size of", e))?
+        };
+        let direct = if direct {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_DIRECT)
+                .open(path)
+                .ok()
+        } else {
+            None
+        };
+        Ok(ImageFile {
+            path: path.to_path_buf(),
+            buffered,
+            direct,
+            size,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// Whether aligned reads bypass the page cache.
+    pub fn is_direct(&self) -> bool {
+        self.direct.is_some()
+    }
+
+    /// Fills `buf` from `offset`. The range must lie inside the file.
+    pub fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        let end = offset + buf.len() as u64;
+        if end > self.size {
+            return Err(EngineError::Io {
+                op: "read",
+                path: self.path.clone(),
+                offset,
+                source: std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    format!(
+                        "{} bytes past the end of the file ({} bytes)",
+                        end - self.size,
+                        self.size
+                    ),
+                ),
+            });
+        }
+        let io = |source| EngineError::Io {
+            op: "read",
+            path: self.path.clone(),
+            offset,
+            source,
+        };
+        let Some(direct) = &self.direct else {
+            return self.buffered.read_exact_at(buf, offset).map_err(io);
+        };
+        if is_direct_aligned(buf, offset) {
+            return direct.read_exact_at(buf, offset).map_err(io);
+        }
+        // Unaligned (XOR sources at a byte offset, partial blocks): read the aligned
+        // superset through a bounce buffer so these reads do not fill the page cache
+        // either. Past the last whole block of the file O_DIRECT would come up short.
+        let start = offset / DIRECT_ALIGN as u64 * DIRECT_ALIGN as u64;
+        let end = end.div_ceil(DIRECT_ALIGN as u64) * DIRECT_ALIGN as u64;
+        if end > self.size || end - start > BOUNCE_MAX as u64 {
+            return self.buffered.read_exact_at(buf, offset).map_err(io);
+        }
+        BOUNCE.with(|b| {
+            let mut b = b.borrow_mut();
+            let tmp = b.slice_mut((end - start) as usize);
+            direct.read_exact_at(tmp, start).map_err(io)?;
+            let skip = (offset - start) as usize;
+            buf.copy_from_slice(&tmp[skip..skip + buf.len()]);
+            Ok(())
+        })
+    }
+}
+
+const BOUNCE_MAX: usize = 1 << 20;
+
+thread_local! {
+    static BOUNCE: std::cell::RefCell<AlignedBuf> =
+        std::cell::RefCell::new(AlignedBuf::new(2 * DIRECT_ALIGN));
+}
+
+fn is_direct_aligned(buf: &[u8], offset: u64) -> bool {
+    (buf.as_ptr() as usize).is_multiple_of(DIRECT_ALIGN)
+        && buf.len().is_multiple_of(DIRECT_ALIGN)
+        && offset.is_multiple_of(DIRECT_ALIGN as u64)
+}
+
+fn block_device_size(file: &File) -> std::io::Result<u64> {
+    use std::os::fd::AsRawFd;
+    let mut size: u64 = 0;
+    // SAFETY: BLKGETSIZE64 writes one u64 through the pointer, which points to a live,
+    // properly aligned u64; the descriptor is valid for the duration of the call.
+    let rc = unsafe { libc::ioctl(file.as_raw_fd(), BLKGETSIZE64, &mut size as *mut u64) };
+    if rc < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(size)
+}
+
+// _IOR(0x12, 114, size_t)
+const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
+
+/// A heap buffer whose usable part starts at a `DIRECT_ALIGN` boundary, so frontends can
+/// hand it to the engine and have base reads go straight to `O_DIRECT`.
+#[derive(Debug, Default)]
+pub struct AlignedBuf {
+    raw: Vec<u8>,
+    start: usize,
+    len: usize,
+}
+
+impl AlignedBuf {
+    pub fn new(len: usize) -> AlignedBuf {
+        let mut b = AlignedBuf::default();
+        b.ensure(len);
+        b
+    }
+
+    /// Makes room for `len` bytes, reallocating only when it grows.
+    pub fn ensure(&mut self, len: usize) {
+        if self.raw.len() < self.start + len || self.raw.is_empty() {
+            self.raw = vec![0u8; len + DIRECT_ALIGN];
+            self.start = self.raw.as_ptr().align_offset(DIRECT_ALIGN);
+        }
+        self.len = len;
+    }
+
+    /// The first `len` bytes of the aligned region.
+    pub fn slice_mut(&mut self, len: usize) -> &mut [u8] {
+        self.ensure(len);
+        &mut self.raw[self.start..self.start + len]
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        &self.raw[self.start..self.start + self.len]
+    }
+}

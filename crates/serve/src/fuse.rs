@@ -1,0 +1,343 @@
+//! FUSE export of a block device as one read-only regular file, `DIR/disk.img`.
+//!
+//! * Reads are handed to a [`Workers`] pool and answered from there: the FUSE reader
+//!   thread never blocks on I/O, so the kernel can keep many requests in flight.
+//! * Files are opened with `FOPEN_DIRECT_IO`: the FUSE layer keeps no page cache of its
+//!   own (the loop device or file system above us caches; notes/serving.md §5.5).
+//! * `max_readahead`/`max_write` are 1 MiB so `max_pages` is 256, the kernel's cap, and
+//!   `FUSE_ASYNC_DIO` lets the loop driver's direct I/O be split into parallel requests.
+
+use std::ffi::OsStr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, UNIX_EPOCH};
+
+use engine::BlockDevice;
+use fuser::{
+    Config, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, INodeNo, InitFlags,
+    KernelConfig, LockOwner, MountOption, OpenAccMode, OpenFlags, ReplyAttr, ReplyData,
+    ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, Request, SessionACL,
+};
+
+use crate::mount::is_mount_point;
+use crate::workers::Workers;
+use crate::{Result, ServeError, io_err};
+
+/// Largest request the kernel sends with the default `fs.fuse.max_pages_limit`.
+pub const MAX_REQUEST: usize = 1 << 20;
+
+const FILE_INO: INodeNo = INodeNo(2);
+// Attributes never change while mounted.
+const TTL: Duration = Duration::from_secs(3600);
+
+/// Options of [`FuseExport::mount`].
+#[derive(Clone, Debug)]
+pub struct FuseOptions {
+    /// Name of the exported file inside the mount directory.
+    pub file_name: String,
+    /// Threads reading requests from /dev/fuse (each with a cloned fd).
+    pub channel_threads: usize,
+    /// Request threads doing the reads.
+    pub workers: usize,
+}
+
+impl Default for FuseOptions {
+    fn default() -> Self {
+        FuseOptions {
+            file_name: "disk.img".into(),
+            channel_threads: 1,
+            workers: 16,
+        }
+    }
+}
+
+struct ReadJob {
+    reply: ReplyData,
+    offset: u64,
+    size: u32,
+}
+
+struct DiskFs {
+    dev: Arc<dyn BlockDevice>,
+    size: u64,
+    name: String,
+    uid: u32,
+    gid: u32,
+    workers: Workers<ReadJob>,
+}
+
+impl DiskFs {
+    fn attr(&self, ino: INodeNo) -> Option<FileAttr> {
+        let (kind, perm, size, nlink) = match ino {
+            INodeNo::ROOT => (FileType::Directory, 0o555, 0, 2),
+            FILE_INO => (FileType::RegularFile, 0o444, self.size, 1),
+            _ => return None,
+        };
+        Some(FileAttr {
+            ino,
+            size,
+            blocks: size.div_ceil(512),
+            atime: UNIX_EPOCH,
+            mtime: UNIX_EPOCH,
+            ctime: UNIX_EPOCH,
+            crtime: UNIX_EPOCH,
+            kind,
+            perm,
+            nlink,
+            uid: self.uid,
+            gid: self.gid,
+            rdev: 0,
+            flags: 0,
+            blksize: self.dev.block_size(),
+        })
+    }
+}
+
+fn serve_read(dev: &dyn BlockDevice, size: u64, buf: &mut engine::AlignedBuf, job: ReadJob) {
+    let ReadJob {
+        reply,
+        offset,
+        size: want,
+    } = job;
+    if offset >= size {
+        reply.data(&[]);
+        return;
+    }
+    let n = (u64::from(want)).min(size - offset) as usize;
+    let out = buf.slice_mut(n);
+    match dev.read_at(out, offset) {
+        Ok(()) => reply.data(out),
+        Err(e) => {
+            eprintln!("vabc serve: FUSE read of {n} bytes at offset {offset}: {e}");
+            reply.error(Errno::from_i32(e.errno()));
+        }
+    }
+}
+
+impl Filesystem for DiskFs {
+    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
+        let want = MAX_REQUEST as u32;
+        let _ = config
+            .set_max_readahead(want)
+            .or_else(|max| config.set_max_readahead(max));
+        let _ = config.set_max_write(want);
+        let _ = config.set_max_background(128);
+        let _ = config.set_congestion_threshold(96);
+        if config.capabilities().contains(InitFlags::FUSE_ASYNC_DIO) {
+            let _ = config.add_capabilities(InitFlags::FUSE_ASYNC_DIO);
+        }
+        Ok(())
+    }
+
+    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        match (parent, self.attr(FILE_INO)) {
+            (INodeNo::ROOT, Some(attr)) if name == OsStr::new(&self.name) => {
+                reply.entry(&TTL, &attr, fuser::Generation(0))
+            }
+            _ => reply.error(Errno::ENOENT),
+        }
+    }
+
+    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        match self.attr(ino) {
+            Some(attr) => reply.attr(&TTL, &attr),
+            None => reply.error(Errno::ENOENT),
+        }
+    }
+
+    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        if ino != FILE_INO {
+            reply.error(Errno::EISDIR);
+        } else if flags.acc_mode() != OpenAccMode::O_RDONLY {
+            reply.error(Errno::EROFS);
+        } else {
+            reply.opened(FileHandle(0), FopenFlags::FOPEN_DIRECT_IO);
+        }
+    }
+
+    fn read(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        size: u32,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyData,
+    ) {
+        if ino != FILE_INO {
+            reply.error(Errno::EISDIR);
+            return;
+        }
+        if let Err(job) = self.workers.submit(ReadJob {
+            reply,
+            offset,
+            size,
+        }) {
+            job.reply.error(Errno::ESHUTDOWN);
+        }
+    }
+
+    fn flush(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _lo: LockOwner,
+        reply: ReplyEmpty,
+    ) {
+        reply.ok();
+    }
+
+    fn fsync(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _datasync: bool,
+        reply: ReplyEmpty,
+    ) {
+        match self.dev.flush() {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(Errno::from_i32(e.errno())),
+        }
+    }
+
+    fn readdir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectory,
+    ) {
+        if ino != INodeNo::ROOT {
+            reply.error(Errno::ENOTDIR);
+            return;
+        }
+        let entries = [
+            (INodeNo::ROOT, FileType::Directory, "."),
+            (INodeNo::ROOT, FileType::Directory, ".."),
+            (FILE_INO, FileType::RegularFile, self.name.as_str()),
+        ];
+        for (i, (ino, kind, name)) in entries.iter().enumerate().skip(offset as usize) {
+            if reply.add(*ino, (i + 1) as u64, *kind, name) {
+                break;
+            }
+        }
+        reply.ok();
+    }
+}
+
+/// A mounted FUSE export. Dropping it unmounts.
+pub struct FuseExport {
+    session: Option<fuser::BackgroundSession>,
+    dir: PathBuf,
+    file: PathBuf,
+}
+
+impl std::fmt::Debug for FuseExport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FuseExport")
+            .field("file", &self.file)
+            .finish()
+    }
+}
+
+impl FuseExport {
+    /// Mounts the export on `dir`, which must be an existing directory and not already a
+    /// mount point. Returns once the kernel has completed the FUSE handshake.
+    pub fn mount(dev: Arc<dyn BlockDevice>, dir: &Path, opts: &FuseOptions) -> Result<FuseExport> {
+        let meta = std::fs::metadata(dir).map_err(io_err("mount point", dir))?;
+        if !meta.is_dir() {
+            return Err(ServeError::Invalid {
+                path: dir.to_path_buf(),
+                msg: "FUSE mount point is not a directory".into(),
+            });
+        }
+        let dir = dir.canonicalize().map_err(io_err("resolve", dir))?;
+        if is_mount_point(&dir)? {
+            return Err(ServeError::Busy { path: dir });
+        }
+        let size = dev.size();
+        let workers = {
+            let dev = dev.clone();
+            Workers::spawn(
+                "vabc-fuse",
+                opts.workers,
+                MAX_REQUEST,
+                move |buf, job: ReadJob| serve_read(dev.as_ref(), size, buf, job),
+            )
+            .map_err(io_err("spawn FUSE workers for", &dir))?
+        };
+        // SAFETY: getuid/getgid cannot fail and touch no memory.
+        let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+        let fs = DiskFs {
+            dev,
+            size,
+            name: opts.file_name.clone(),
+            uid,
+            gid,
+            workers,
+        };
+        let mut config = Config::default();
+        config.mount_options = vec![
+            MountOption::RO,
+            MountOption::FSName("vabc".into()),
+            MountOption::Subtype("vabc".into()),
+            MountOption::NoAtime,
+            MountOption::DefaultPermissions,
+        ];
+        config.acl = SessionACL::Owner;
+        config.n_threads = Some(opts.channel_threads.max(1));
+        config.clone_fd = opts.channel_threads > 1;
+        let session = fuser::Session::new(fs, &dir, &config)
+            .and_then(|s| s.spawn())
+            .map_err(io_err("mount FUSE on", &dir))?;
+        let file = dir.join(&opts.file_name);
+        Ok(FuseExport {
+            session: Some(session),
+            dir,
+            file,
+        })
+    }
+
+    /// Path of the exported file.
+    pub fn file_path(&self) -> &Path {
+        &self.file
+    }
+
+    pub fn mount_dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// False once the session has ended (e.g. unmounted from outside).
+    pub fn is_alive(&self) -> bool {
+        self.session
+            .as_ref()
+            .is_some_and(|s| !s.guard.is_finished())
+    }
+
+    /// Unmounts and waits for the session threads to finish.
+    pub fn unmount(mut self) -> Result<()> {
+        self.unmount_inner()
+    }
+
+    fn unmount_inner(&mut self) -> Result<()> {
+        let Some(session) = self.session.take() else {
+            return Ok(());
+        };
+        session
+            .umount_and_join()
+            .map_err(io_err("unmount FUSE from", &self.dir))
+    }
+}
+
+impl Drop for FuseExport {
+    fn drop(&mut self) {
+        if let Err(e) = self.unmount_inner() {
+            eprintln!("vabc serve: {e}");
+        }
+    }
+}

@@ -1,0 +1,687 @@
+//! A read-only NBD server (NetworkBlockDevice `doc/proto.md`): fixed newstyle handshake,
+//! `OPT_EXPORT_NAME`/`ABORT`/`LIST`/`INFO`/`GO` (others answered `ERR_UNSUP`, so
+//! clients fall back to simple replies), transmission with `READ`, `FLUSH`, `DISC`;
+//! writes, trims and write-zeroes fail with `EPERM`.
+//!
+//! One thread per connection parses requests and hands reads to a shared [`Workers`]
+//! pool, which writes each reply as soon as it is ready (replies may be out of order;
+//! clients match them by cookie), so one connection keeps many reads in flight.
+
+use std::io::{self, IoSlice, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use engine::BlockDevice;
+
+use crate::workers::Workers;
+use crate::{Result, ServeError, io_err};
+
+const NBDMAGIC: u64 = 0x4e42_444d_4147_4943; // "NBDMAGIC"
+const IHAVEOPT: u64 = 0x4948_4156_454F_5054; // "IHAVEOPT"
+const OPT_REPLY_MAGIC: u64 = 0x0003_e889_0455_65a9;
+const REQUEST_MAGIC: u32 = 0x2560_9513;
+const SIMPLE_REPLY_MAGIC: u32 = 0x6744_6698;
+
+const FLAG_FIXED_NEWSTYLE: u16 = 1;
+const FLAG_NO_ZEROES: u16 = 2;
+const FLAG_C_FIXED_NEWSTYLE: u32 = 1;
+const FLAG_C_NO_ZEROES: u32 = 2;
+
+const OPT_EXPORT_NAME: u32 = 1;
+const OPT_ABORT: u32 = 2;
+const OPT_LIST: u32 = 3;
+const OPT_INFO: u32 = 6;
+const OPT_GO: u32 = 7;
+
+const REP_ACK: u32 = 1;
+const REP_SERVER: u32 = 2;
+const REP_INFO: u32 = 3;
+const REP_ERR_UNSUP: u32 = (1 << 31) + 1;
+const REP_ERR_INVALID: u32 = (1 << 31) + 3;
+const REP_ERR_UNKNOWN: u32 = (1 << 31) + 6;
+
+const INFO_EXPORT: u16 = 0;
+const INFO_BLOCK_SIZE: u16 = 3;
+
+const TFLAG_HAS_FLAGS: u16 = 1 << 0;
+const TFLAG_READ_ONLY: u16 = 1 << 1;
+const TFLAG_SEND_FLUSH: u16 = 1 << 2;
+const TFLAG_CAN_MULTI_CONN: u16 = 1 << 8;
+
+const CMD_READ: u16 = 0;
+const CMD_WRITE: u16 = 1;
+const CMD_DISC: u16 = 2;
+const CMD_FLUSH: u16 = 3;
+const CMD_TRIM: u16 = 4;
+const CMD_WRITE_ZEROES: u16 = 6;
+
+/// Largest option payload we accept before dropping the client.
+const MAX_OPTION_LEN: u32 = 64 << 10;
+/// Largest read request; advertised as the maximum block size.
+pub const MAX_REQUEST: u32 = 32 << 20;
+/// The engine serves any alignment, so the minimum block size is 1.
+const PREFERRED_BLOCK: u32 = 4096;
+
+/// Where the server listens: `unix:PATH` or `tcp:HOST:PORT`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum NbdAddr {
+    Unix(PathBuf),
+    Tcp(SocketAddr),
+}
+
+impl FromStr for NbdAddr {
+    type Err = ServeError;
+    fn from_str(s: &str) -> Result<NbdAddr> {
+        let bad = |msg: &str| ServeError::Address {
+            addr: s.to_string(),
+            msg: msg.to_string(),
+        };
+        if let Some(p) = s.strip_prefix("unix:") {
+            if p.is_empty() {
+                return Err(bad("empty socket path"));
+            }
+            Ok(NbdAddr::Unix(PathBuf::from(p)))
+        } else if let Some(a) = s.strip_prefix("tcp:") {
+            a.parse()
+                .map(NbdAddr::Tcp)
+                .map_err(|_| bad("expected tcp:IP:PORT, e.g. tcp:127.0.0.1:10809"))
+        } else {
+            Err(bad("expected unix:PATH or tcp:IP:PORT"))
+        }
+    }
+}
+
+impl std::fmt::Display for NbdAddr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NbdAddr::Unix(p) => write!(f, "nbd+unix:///?socket={}", p.display()),
+            NbdAddr::Tcp(a) => write!(f, "nbd://{a}/"),
+        }
+    }
+}
+
+/// Options of [`NbdServer::bind`].
+#[derive(Clone, Debug)]
+pub struct NbdOptions {
+    /// Export name; clients asking for "" get it too.
+    pub export_name: String,
+    /// Request threads shared by all connections.
+    pub workers: usize,
+}
+
+impl Default for NbdOptions {
+    fn default() -> Self {
+        NbdOptions {
+            export_name: "vabc".into(),
+            workers: 16,
+        }
+    }
+}
+
+enum Listener {
+    Unix(UnixListener, PathBuf),
+    Tcp(TcpListener),
+}
+
+enum Stream {
+    Unix(UnixStream),
+    Tcp(TcpStream),
+}
+
+impl Stream {
+    fn try_clone(&self) -> io::Result<Stream> {
+        Ok(match self {
+            Stream::Unix(s) => Stream::Unix(s.try_clone()?),
+            Stream::Tcp(s) => Stream::Tcp(s.try_clone()?),
+        })
+    }
+    fn shutdown(&self) {
+        let _ = match self {
+            Stream::Unix(s) => s.shutdown(std::net::Shutdown::Both),
+            Stream::Tcp(s) => s.shutdown(std::net::Shutdown::Both),
+        };
+    }
+}
+
+impl Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Stream::Unix(s) => s.read(buf),
+            Stream::Tcp(s) => s.read(buf),
+        }
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Stream::Unix(s) => s.write(buf),
+            Stream::Tcp(s) => s.write(buf),
+        }
+    }
+    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        match self {
+            Stream::Unix(s) => s.write_vectored(bufs),
+            Stream::Tcp(s) => s.write_vectored(bufs),
+        }
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+fn write_all_vectored(w: &mut impl Write, mut bufs: &mut [IoSlice<'_>]) -> io::Result<()> {
+    while !bufs.is_empty() {
+        match w.write_vectored(bufs) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => IoSlice::advance_slices(&mut bufs, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// The sending half of a connection, shared by the workers answering its requests.
+struct Conn {
+    writer: Mutex<Stream>,
+    broken: AtomicBool,
+}
+
+impl Conn {
+    fn reply(&self, cookie: u64, error: u32, data: &[u8]) {
+        let mut hdr = [0u8; 16];
+        hdr[0..4].copy_from_slice(&SIMPLE_REPLY_MAGIC.to_be_bytes());
+        hdr[4..8].copy_from_slice(&error.to_be_bytes());
+        hdr[8..16].copy_from_slice(&cookie.to_be_bytes());
+        let mut w = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        let mut bufs = [IoSlice::new(&hdr), IoSlice::new(data)];
+        if write_all_vectored(&mut *w, &mut bufs).is_err() {
+            // The client went away; the reader thread notices on its next read.
+            self.broken.store(true, Ordering::Relaxed);
+            w.shutdown();
+        }
+    }
+}
+
+struct ReadJob {
+    conn: Arc<Conn>,
+    cookie: u64,
+    offset: u64,
+    len: u32,
+}
+
+struct Shared {
+    dev: Arc<dyn BlockDevice>,
+    opts: NbdOptions,
+    workers: Workers<ReadJob>,
+    stop: AtomicBool,
+    // Read halves of live connections, shut down to unblock their threads on stop.
+    conns: Mutex<Vec<(u64, Stream)>>,
+}
+
+/// A bound NBD server; [`spawn`](Self::spawn) starts accepting.
+pub struct NbdServer {
+    listener: Listener,
+    addr: NbdAddr,
+    shared: Arc<Shared>,
+}
+
+/// A running server; dropping it stops accepting, closes connections and joins threads.
+pub struct NbdHandle {
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+    wake: RawFd,
+    socket_path: Option<PathBuf>,
+}
+
+impl NbdServer {
+    /// Binds the listening socket. A Unix socket path must not exist, unless it is a
+    /// stale socket nobody listens on any more (left by a killed server): that is removed.
+    pub fn bind(addr: &NbdAddr, dev: Arc<dyn BlockDevice>, opts: &NbdOptions) -> Result<NbdServer> {
+        let listener = match addr {
+            NbdAddr::Unix(path) => {
+                remove_stale_socket(path)?;
+                Listener::Unix(
+                    UnixListener::bind(path).map_err(io_err("bind NBD socket", path))?,
+                    path.clone(),
+                )
+            }
+            NbdAddr::Tcp(a) => Listener::Tcp(
+                TcpListener::bind(a).map_err(io_err("bind NBD address", a.to_string()))?,
+            ),
+        };
+        let addr = match &listener {
+            Listener::Tcp(l) => {
+                NbdAddr::Tcp(l.local_addr().map_err(io_err("query", "NBD socket"))?)
+            }
+            Listener::Unix(..) => addr.clone(),
+        };
+        let workers = {
+            let dev = dev.clone();
+            Workers::spawn(
+                "vabc-nbd",
+                opts.workers,
+                1 << 20,
+                move |buf, job: ReadJob| {
+                    let out = buf.slice_mut(job.len as usize);
+                    match dev.read_at(out, job.offset) {
+                        Ok(()) => job.conn.reply(job.cookie, 0, out),
+                        Err(e) => {
+                            eprintln!(
+                                "vabc serve: NBD read of {} bytes at offset {}: {e}",
+                                job.len, job.offset
+                            );
+                            job.conn.reply(job.cookie, e.errno() as u32, &[]);
+                        }
+                    }
+                },
+            )
+            .map_err(io_err("spawn NBD workers for", addr.to_string()))?
+        };
+        Ok(NbdServer {
+            listener,
+            addr,
+            shared: Arc::new(Shared {
+                dev,
+                opts: opts.clone(),
+                workers,
+                stop: AtomicBool::new(false),
+                conns: Mutex::new(Vec::new()),
+            }),
+        })
+    }
+
+    /// The bound address (with the real port for `tcp:…:0`).
+    pub fn addr(&self) -> &NbdAddr {
+        &self.addr
+    }
+
+    /// Starts the accept loop on a background thread.
+    pub fn spawn(self) -> Result<NbdHandle> {
+        let mut fds = [0 as RawFd; 2];
+        // SAFETY: pipe2 writes two descriptors into the 2-element array.
+        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } < 0 {
+            return Err(io_err("create wake pipe for", self.addr.to_string())(
+                io::Error::last_os_error(),
+            ));
+        }
+        let shared = self.shared.clone();
+        let socket_path = match &self.listener {
+            Listener::Unix(_, p) => Some(p.clone()),
+            Listener::Tcp(_) => None,
+        };
+        let wake_read = fds[0];
+        let thread = std::thread::Builder::new()
+            .name("vabc-nbd-accept".into())
+            .spawn(move || accept_loop(self.listener, self.shared, wake_read))
+            .map_err(io_err("spawn NBD accept thread for", "socket"))?;
+        Ok(NbdHandle {
+            shared,
+            thread: Some(thread),
+            wake: fds[1],
+            socket_path,
+        })
+    }
+}
+
+fn remove_stale_socket(path: &Path) -> Result<()> {
+    use std::os::unix::fs::FileTypeExt;
+    let Ok(meta) = std::fs::symlink_metadata(path) else {
+        return Ok(());
+    };
+    if !meta.file_type().is_socket() {
+        return Err(ServeError::Invalid {
+            path: path.to_path_buf(),
+            msg: "exists and is not a socket; refusing to replace it".into(),
+        });
+    }
+    if UnixStream::connect(path).is_ok() {
+        return Err(ServeError::Busy {
+            path: path.to_path_buf(),
+        });
+    }
+    std::fs::remove_file(path).map_err(io_err("remove stale socket", path))
+}
+
+fn accept_loop(listener: Listener, shared: Arc<Shared>, wake: RawFd) {
+    let lfd = match &listener {
+        Listener::Unix(l, _) => l.as_raw_fd(),
+        Listener::Tcp(l) => l.as_raw_fd(),
+    };
+    let mut threads: Vec<JoinHandle<()>> = Vec::new();
+    let mut next_id = 0u64;
+    while !shared.stop.load(Ordering::Acquire) {
+        let mut pfd = [
+            libc::pollfd {
+                fd: lfd,
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: wake,
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: pfd is a valid array of 2 pollfd structs for the duration of the call.
+        let rc = unsafe { libc::poll(pfd.as_mut_ptr(), 2, -1) };
+        if rc < 0 || pfd[1].revents != 0 {
+            continue; // EINTR, or woken to stop: the loop condition decides
+        }
+        let stream = match &listener {
+            Listener::Unix(l, _) => l.accept().map(|(s, _)| Stream::Unix(s)),
+            Listener::Tcp(l) => l.accept().map(|(s, _)| {
+                let _ = s.set_nodelay(true);
+                Stream::Tcp(s)
+            }),
+        };
+        let Ok(stream) = stream else { continue };
+        let id = next_id;
+        next_id += 1;
+        if let Ok(c) = stream.try_clone() {
+            shared
+                .conns
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push((id, c));
+        }
+        let sh = shared.clone();
+        threads.retain(|t| !t.is_finished());
+        match std::thread::Builder::new()
+            .name(format!("vabc-nbd-conn-{id}"))
+            .spawn(move || {
+                // Clients that hang up mid-handshake (probes, `nbdinfo --list`) are normal.
+                if let Err(e) = serve_connection(&sh, stream)
+                    && !sh.stop.load(Ordering::Relaxed)
+                    && !matches!(
+                        e.kind(),
+                        io::ErrorKind::BrokenPipe
+                            | io::ErrorKind::ConnectionReset
+                            | io::ErrorKind::UnexpectedEof
+                    )
+                {
+                    eprintln!("vabc serve: NBD connection {id}: {e}");
+                }
+                sh.conns
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .retain(|(i, _)| *i != id);
+            }) {
+            Ok(t) => threads.push(t),
+            Err(e) => eprintln!("vabc serve: cannot start NBD connection thread: {e}"),
+        }
+    }
+    for (_, s) in shared
+        .conns
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+    {
+        s.shutdown();
+    }
+    for t in threads {
+        let _ = t.join();
+    }
+    // SAFETY: closing the read end of our own pipe, which nothing else uses.
+    unsafe { libc::close(wake) };
+    if let Listener::Unix(_, path) = &listener {
+        let _ = std::fs::remove_file(path);
+    }
+}
+
+impl NbdHandle {
+    /// Stops accepting, disconnects clients and waits for all threads.
+    pub fn stop(mut self) {
+        self.stop_inner();
+    }
+
+    fn stop_inner(&mut self) {
+        let Some(t) = self.thread.take() else { return };
+        self.shared.stop.store(true, Ordering::Release);
+        // SAFETY: writing one byte from a live buffer to our pipe's write end.
+        unsafe {
+            libc::write(self.wake, [1u8].as_ptr().cast(), 1);
+        }
+        let _ = t.join();
+        // SAFETY: closing our own pipe write end once; `thread` is None from now on.
+        unsafe { libc::close(self.wake) };
+        if let Some(p) = &self.socket_path {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+impl Drop for NbdHandle {
+    fn drop(&mut self) {
+        self.stop_inner();
+    }
+}
+
+fn read_u32(r: &mut impl Read) -> io::Result<u32> {
+    let mut b = [0u8; 4];
+    r.read_exact(&mut b)?;
+    Ok(u32::from_be_bytes(b))
+}
+fn read_u64(r: &mut impl Read) -> io::Result<u64> {
+    let mut b = [0u8; 8];
+    r.read_exact(&mut b)?;
+    Ok(u64::from_be_bytes(b))
+}
+
+fn protocol(msg: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, msg)
+}
+
+fn option_reply(w: &mut impl Write, opt: u32, kind: u32, data: &[u8]) -> io::Result<()> {
+    let mut m = Vec::with_capacity(20 + data.len());
+    m.extend_from_slice(&OPT_REPLY_MAGIC.to_be_bytes());
+    m.extend_from_slice(&opt.to_be_bytes());
+    m.extend_from_slice(&kind.to_be_bytes());
+    m.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    m.extend_from_slice(data);
+    w.write_all(&m)
+}
+
+fn transmission_flags() -> u16 {
+    TFLAG_HAS_FLAGS | TFLAG_READ_ONLY | TFLAG_SEND_FLUSH | TFLAG_CAN_MULTI_CONN
+}
+
+/// Outcome of the option phase.
+enum Negotiated {
+    Transmit,
+    Closed,
+}
+
+fn handshake(sh: &Shared, s: &mut Stream) -> io::Result<Negotiated> {
+    let mut hello = Vec::with_capacity(18);
+    hello.extend_from_slice(&NBDMAGIC.to_be_bytes());
+    hello.extend_from_slice(&IHAVEOPT.to_be_bytes());
+    hello.extend_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
+    s.write_all(&hello)?;
+    let cflags = read_u32(s)?;
+    if cflags & !(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES) != 0 {
+        return Err(protocol(format!("unknown client flags {cflags:#x}")));
+    }
+    let no_zeroes = cflags & FLAG_C_NO_ZEROES != 0;
+    let size = sh.dev.size();
+    let name_ok = |n: &[u8]| n.is_empty() || n == sh.opts.export_name.as_bytes();
+    loop {
+        let magic = read_u64(s)?;
+        if magic != IHAVEOPT {
+            return Err(protocol(format!("bad option magic {magic:#x}")));
+        }
+        let opt = read_u32(s)?;
+        let len = read_u32(s)?;
+        if len > MAX_OPTION_LEN {
+            return Err(protocol(format!("option {opt} of {len} bytes is too long")));
+        }
+        let mut data = vec![0u8; len as usize];
+        s.read_exact(&mut data)?;
+        match opt {
+            OPT_EXPORT_NAME => {
+                if !name_ok(&data) {
+                    return Err(protocol(format!(
+                        "unknown export {:?}",
+                        String::from_utf8_lossy(&data)
+                    )));
+                }
+                let mut m = Vec::with_capacity(10 + 124);
+                m.extend_from_slice(&size.to_be_bytes());
+                m.extend_from_slice(&transmission_flags().to_be_bytes());
+                if !no_zeroes {
+                    m.extend_from_slice(&[0u8; 124]);
+                }
+                s.write_all(&m)?;
+                return Ok(Negotiated::Transmit);
+            }
+            OPT_ABORT => {
+                let _ = option_reply(s, opt, REP_ACK, &[]);
+                return Ok(Negotiated::Closed);
+            }
+            OPT_LIST => {
+                if len != 0 {
+                    option_reply(s, opt, REP_ERR_INVALID, b"LIST takes no data")?;
+                    continue;
+                }
+                let name = sh.opts.export_name.as_bytes();
+                let mut d = Vec::with_capacity(4 + name.len());
+                d.extend_from_slice(&(name.len() as u32).to_be_bytes());
+                d.extend_from_slice(name);
+                option_reply(s, opt, REP_SERVER, &d)?;
+                option_reply(s, opt, REP_ACK, &[])?;
+            }
+            OPT_INFO | OPT_GO => {
+                let parsed = (|| {
+                    let nlen = u32::from_be_bytes(data.get(0..4)?.try_into().ok()?) as usize;
+                    let name = data.get(4..4 + nlen)?;
+                    let n =
+                        u16::from_be_bytes(data.get(4 + nlen..6 + nlen)?.try_into().ok()?) as usize;
+                    (data.len() == 6 + nlen + 2 * n).then_some(name)
+                })();
+                let Some(name) = parsed else {
+                    option_reply(s, opt, REP_ERR_INVALID, b"malformed INFO/GO request")?;
+                    continue;
+                };
+                if !name_ok(name) {
+                    option_reply(s, opt, REP_ERR_UNKNOWN, b"no such export")?;
+                    continue;
+                }
+                let mut export = Vec::with_capacity(12);
+                export.extend_from_slice(&INFO_EXPORT.to_be_bytes());
+                export.extend_from_slice(&size.to_be_bytes());
+                export.extend_from_slice(&transmission_flags().to_be_bytes());
+                option_reply(s, opt, REP_INFO, &export)?;
+                let mut bs = Vec::with_capacity(14);
+                bs.extend_from_slice(&INFO_BLOCK_SIZE.to_be_bytes());
+                bs.extend_from_slice(&1u32.to_be_bytes());
+                bs.extend_from_slice(&PREFERRED_BLOCK.to_be_bytes());
+                bs.extend_from_slice(&MAX_REQUEST.to_be_bytes());
+                option_reply(s, opt, REP_INFO, &bs)?;
+                option_reply(s, opt, REP_ACK, &[])?;
+                if opt == OPT_GO {
+                    return Ok(Negotiated::Transmit);
+                }
+            }
+            _ => option_reply(s, opt, REP_ERR_UNSUP, &[])?,
+        }
+    }
+}
+
+fn serve_connection(sh: &Arc<Shared>, mut s: Stream) -> io::Result<()> {
+    if let Negotiated::Closed = handshake(sh, &mut s)? {
+        return Ok(());
+    }
+    let conn = Arc::new(Conn {
+        writer: Mutex::new(s.try_clone()?),
+        broken: AtomicBool::new(false),
+    });
+    let size = sh.dev.size();
+    let mut hdr = [0u8; 28];
+    let mut sink = vec![0u8; 64 << 10];
+    loop {
+        if let Err(e) = s.read_exact(&mut hdr) {
+            // EOF without DISC is how many clients hang up; not worth an error.
+            return if e.kind() == io::ErrorKind::UnexpectedEof
+                || conn.broken.load(Ordering::Relaxed)
+            {
+                Ok(())
+            } else {
+                Err(e)
+            };
+        }
+        let magic = u32::from_be_bytes([hdr[0], hdr[1], hdr[2], hdr[3]]);
+        if magic != REQUEST_MAGIC {
+            return Err(protocol(format!("bad request magic {magic:#x}")));
+        }
+        let kind = u16::from_be_bytes([hdr[6], hdr[7]]);
+        let cookie = u64::from_be_bytes(hdr[8..16].try_into().unwrap_or_default());
+        let offset = u64::from_be_bytes(hdr[16..24].try_into().unwrap_or_default());
+        let len = u32::from_be_bytes([hdr[24], hdr[25], hdr[26], hdr[27]]);
+        let in_range = offset
+            .checked_add(u64::from(len))
+            .is_some_and(|e| e <= size);
+        match kind {
+            CMD_READ => {
+                if !in_range || len > MAX_REQUEST {
+                    conn.reply(cookie, libc::EINVAL as u32, &[]);
+                } else if len == 0 {
+                    conn.reply(cookie, 0, &[]);
+                } else {
+                    let job = ReadJob {
+                        conn: conn.clone(),
+                        cookie,
+                        offset,
+                        len,
+                    };
+                    if sh.workers.submit(job).is_err() {
+                        conn.reply(cookie, libc::ESHUTDOWN as u32, &[]);
+                    }
+                }
+            }
+            CMD_WRITE => {
+                let mut left = len as usize;
+                while left > 0 {
+                    let n = left.min(sink.len());
+                    s.read_exact(&mut sink[..n])?;
+                    left -= n;
+                }
+                conn.reply(cookie, libc::EPERM as u32, &[]);
+            }
+            CMD_TRIM | CMD_WRITE_ZEROES => conn.reply(cookie, libc::EPERM as u32, &[]),
+            CMD_FLUSH => {
+                let err = sh.dev.flush().err().map_or(0, |e| e.errno() as u32);
+                conn.reply(cookie, err, &[]);
+            }
+            // Outstanding reads finish on the workers, which hold `conn` until replied.
+            CMD_DISC => return Ok(()),
+            _ => conn.reply(cookie, libc::EINVAL as u32, &[]),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_addresses() {
+        assert_eq!(
+            "unix:/tmp/x.sock".parse::<NbdAddr>().unwrap(),
+            NbdAddr::Unix("/tmp/x.sock".into())
+        );
+        assert_eq!(
+            "tcp:127.0.0.1:10809".parse::<NbdAddr>().unwrap(),
+            NbdAddr::Tcp("127.0.0.1:10809".parse().unwrap())
+        );
+        assert!("tcp:localhost".parse::<NbdAddr>().is_err());
+        assert!("udp:1".parse::<NbdAddr>().is_err());
+        assert!("unix:".parse::<NbdAddr>().is_err());
+    }
+}

@@ -1,0 +1,329 @@
+//! Helpers shared by the `serve_*` integration tests: corpus images, COWs made from
+//! them, a running `vabc serve` child that is always stopped, and leak checks.
+//!
+//! These tests need root and the real kernel (FUSE, loop, mount); they are not skipped.
+
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+pub const BS: usize = 4096;
+
+pub fn vabc() -> &'static str {
+    env!("CARGO_BIN_EXE_vabc")
+}
+
+/// Corpus images live in a fixed temporary location shared by all test runs
+/// (`make-corpus.sh` output is byte-for-byte reproducible, so reuse is safe).
+pub fn corpus_dir() -> PathBuf {
+    std::env::var_os("VABC_CORPUS")
+        .map_or_else(|| std::env::temp_dir().join("corpus"), PathBuf::from)
+}
+
+static CORPUS_LOCK: Mutex<()> = Mutex::new(());
+
+/// Path of `PAIR/{old,new}.KIND.img`, building the pair first if it is missing.
+pub fn corpus_image(pair: &str, side: &str, kind: &str) -> PathBuf {
+    let dir = corpus_dir();
+    let img = dir.join(pair).join(format!("{side}.{kind}.img"));
+    if img.exists() {
+        return img;
+    }
+    let _guard = CORPUS_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    if !img.exists() {
+        let script =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/corpus/make-corpus.sh");
+        let status = Command::new("bash")
+            .arg(&script)
+            .args(["-p", pair, "-o"])
+            .arg(&dir)
+            .status()
+            .expect("run make-corpus.sh");
+        assert!(status.success(), "make-corpus.sh -p {pair} failed");
+    }
+    assert!(
+        img.exists(),
+        "{} missing after make-corpus.sh",
+        img.display()
+    );
+    img
+}
+
+fn hash_block(b: &[u8]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    b.hash(&mut h);
+    h.finish()
+}
+
+enum Planned {
+    Copy(u64),
+    Zero,
+    Xor(u64, u16),
+    Replace,
+}
+
+/// Writes a COW that turns `old` into `new`: unchanged blocks are left out, zero blocks
+/// become ZERO, blocks found elsewhere in `old` COPY, lightly edited blocks XOR (some
+/// against an unaligned source), the rest REPLACE (multi-block units in v3).
+pub fn make_cow(old: &Path, new: &Path, cow: &Path, version: u16, codec: &str) -> u64 {
+    let old_data = std::fs::read(old).unwrap();
+    let new_data = std::fs::read(new).unwrap();
+    let old_blocks = old_data.len() / BS;
+    let mut by_hash: HashMap<u64, u64> = HashMap::new();
+    for (i, b) in old_data.chunks_exact(BS).enumerate() {
+        by_hash.entry(hash_block(b)).or_insert(i as u64);
+    }
+    let zero = [0u8; BS];
+    let mut plan: Vec<(u64, Planned)> = Vec::new();
+    for (i, nb) in new_data.chunks(BS).enumerate() {
+        assert_eq!(nb.len(), BS, "new image is not a whole number of blocks");
+        let ob = old_data.get(i * BS..(i + 1) * BS);
+        if ob == Some(nb) {
+            continue;
+        }
+        let p = if nb == zero {
+            Planned::Zero
+        } else if let Some(&src) = by_hash
+            .get(&hash_block(nb))
+            .filter(|&&s| &old_data[s as usize * BS..][..BS] == nb)
+        {
+            Planned::Copy(src)
+        } else if let Some(ob) =
+            ob.filter(|ob| ob.iter().zip(nb).filter(|(a, b)| a != b).count() < 1024)
+        {
+            let _ = ob;
+            if i % 2 == 1 && i + 1 < old_blocks {
+                Planned::Xor(i as u64, 2048)
+            } else {
+                Planned::Xor(i as u64, 0)
+            }
+        } else {
+            Planned::Replace
+        };
+        plan.push((i as u64, p));
+    }
+    let count = |f: fn(&Planned) -> bool| plan.iter().filter(|(_, p)| f(p)).count();
+    eprintln!(
+        "make_cow {}: COPY {} ZERO {} XOR {} REPLACE {} (of {} blocks)",
+        new.display(),
+        count(|p| matches!(p, Planned::Copy(_))),
+        count(|p| matches!(p, Planned::Zero)),
+        count(|p| matches!(p, Planned::Xor(..))),
+        count(|p| matches!(p, Planned::Replace)),
+        new_data.len() / BS
+    );
+    let opts = cow::WriterOptions {
+        version,
+        compression: codec.parse().unwrap(),
+        op_count_max: plan.len() as u64 + 16,
+        ..Default::default()
+    };
+    let mut w = cow::CowWriter::create(cow, opts).unwrap();
+    let mut i = 0;
+    while i < plan.len() {
+        let (b, p) = &plan[i];
+        let nb = &new_data[*b as usize * BS..][..BS];
+        match p {
+            Planned::Copy(src) => w.add_copy(*b, *src, 1).unwrap(),
+            Planned::Zero => w.add_zero_blocks(*b, 1).unwrap(),
+            Planned::Xor(old_block, off) => {
+                let s = *old_block as usize * BS + *off as usize;
+                let xored: Vec<u8> = nb
+                    .iter()
+                    .zip(&old_data[s..s + BS])
+                    .map(|(a, b)| a ^ b)
+                    .collect();
+                w.add_xor_blocks(*b, &xored, *old_block, *off).unwrap();
+            }
+            Planned::Replace => {
+                // Batch consecutive REPLACE blocks so v3 forms multi-block units.
+                let mut j = i;
+                while j + 1 < plan.len()
+                    && matches!(plan[j + 1].1, Planned::Replace)
+                    && plan[j + 1].0 == plan[j].0 + 1
+                {
+                    j += 1;
+                }
+                let end = plan[j].0 as usize + 1;
+                w.add_raw_blocks(*b, &new_data[*b as usize * BS..end * BS])
+                    .unwrap();
+                i = j;
+            }
+        }
+        i += 1;
+    }
+    w.finalize().unwrap();
+    new_data.len() as u64
+}
+
+/// A `vabc serve` child. Dropping it sends SIGTERM and waits, so a failing assertion
+/// does not leave mounts behind.
+pub struct Server {
+    child: Option<Child>,
+    pub stdout: Vec<String>,
+}
+
+impl Server {
+    /// Starts `vabc serve ARGS` and waits for its "ready" line.
+    pub fn start(args: &[&std::ffi::OsStr]) -> Server {
+        let mut child = Command::new(vabc())
+            .arg("serve")
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn vabc serve");
+        let out = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut server = Server {
+            child: Some(child),
+            stdout: Vec::new(),
+        };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            match rx.recv_timeout(Duration::from_millis(200)) {
+                Ok(line) => {
+                    let ready = line.contains("ready");
+                    server.stdout.push(line);
+                    if ready {
+                        return server;
+                    }
+                }
+                Err(_) => {
+                    if let Some(status) = server.child.as_mut().unwrap().try_wait().unwrap() {
+                        panic!("vabc serve exited early with {status}: {:?}", server.stdout);
+                    }
+                    assert!(Instant::now() < deadline, "vabc serve not ready after 60 s");
+                }
+            }
+        }
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.as_ref().unwrap().id() as i32
+    }
+
+    /// Sends SIGTERM and returns the exit status.
+    pub fn stop(mut self) -> std::process::ExitStatus {
+        let mut child = self.child.take().unwrap();
+        sigterm(child.id());
+        child.wait().unwrap()
+    }
+
+    /// The loop device the mount stack attached, parsed from the ready message.
+    pub fn loop_device(&self) -> Option<String> {
+        self.stdout.iter().find_map(|l| {
+            l.split_whitespace()
+                .find(|w| w.starts_with("/dev/loop"))
+                .map(str::to_string)
+        })
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            sigterm(c.id());
+            let _ = c.wait();
+        }
+    }
+}
+
+pub fn sigterm(pid: u32) {
+    let _ = Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status();
+}
+
+pub fn os<S: AsRef<std::ffi::OsStr> + ?Sized>(s: &S) -> &std::ffi::OsStr {
+    s.as_ref()
+}
+
+/// Mount points (from /proc/self/mountinfo) at or below `dir`.
+pub fn mounts_under(dir: &Path) -> Vec<String> {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let d = dir.to_string_lossy().to_string();
+    info.lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .filter(|mp| mp.starts_with(&d))
+        .map(str::to_string)
+        .collect()
+}
+
+/// Loop devices whose backing file path contains `needle`.
+pub fn loops_backed_by(needle: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    for e in std::fs::read_dir("/sys/block").unwrap().flatten() {
+        let name = e.file_name().to_string_lossy().to_string();
+        if !name.starts_with("loop") {
+            continue;
+        }
+        if let Ok(b) = std::fs::read_to_string(e.path().join("loop/backing_file"))
+            && b.contains(needle)
+        {
+            found.push(format!("{name}: {}", b.trim()));
+        }
+    }
+    found
+}
+
+/// Asserts that nothing of a serve run is left: no mount under `dir`, no vabc FUSE
+/// mount, no loop device on a FUSE export.
+pub fn assert_nothing_left(dir: &Path) {
+    let m = mounts_under(dir);
+    assert!(m.is_empty(), "left mounted: {m:?}");
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let ours: Vec<&str> = info
+        .lines()
+        .filter(|l| l.contains("fuse.vabc") && l.contains(&dir.to_string_lossy().to_string()))
+        .collect();
+    assert!(ours.is_empty(), "FUSE export left mounted: {ours:?}");
+    let loops = loops_backed_by(&dir.to_string_lossy());
+    assert!(loops.is_empty(), "loop devices left attached: {loops:?}");
+}
+
+/// Runs a command and returns (success, stdout+stderr).
+pub fn run(cmd: &mut Command) -> (bool, String) {
+    let out = cmd.output().unwrap_or_else(|e| panic!("run {cmd:?}: {e}"));
+    let mut text = String::from_utf8_lossy(&out.stdout).to_string();
+    text.push_str(&String::from_utf8_lossy(&out.stderr));
+    (out.status.success(), text)
+}
+
+/// Mounts an image read-only through util-linux (the reference side); unmounted on drop.
+pub struct RefMount {
+    pub dir: PathBuf,
+}
+
+impl RefMount {
+    pub fn new(img: &Path, fstype: &str, dir: &Path) -> RefMount {
+        std::fs::create_dir_all(dir).unwrap();
+        let (ok, out) = run(Command::new("mount")
+            .args(["-t", fstype, "-o", "ro,loop"])
+            .arg(img)
+            .arg(dir));
+        assert!(ok, "reference mount of {} failed: {out}", img.display());
+        RefMount {
+            dir: dir.to_path_buf(),
+        }
+    }
+}
+
+impl Drop for RefMount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.dir).status();
+    }
+}

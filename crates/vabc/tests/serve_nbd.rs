@@ -1,0 +1,254 @@
+//! `vabc serve --nbd`: real clients (qemu-img, nbdinfo, nbdcopy) see exactly new.img,
+//! and a hand-rolled client checks pipelined out-of-order replies, several connections
+//! at once, and the read-only refusals.
+
+mod serve_common;
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::process::Command;
+
+use serve_common::*;
+
+fn start_nbd(t: &Path, pair: &str) -> (Server, std::path::PathBuf, std::path::PathBuf, u64) {
+    let old = corpus_image(pair, "old", "ext4");
+    let new = corpus_image(pair, "new", "ext4");
+    let cow = t.join("update.cow");
+    let size = make_cow(&old, &new, &cow, 3, "lz4");
+    let sock = t.join("nbd.sock");
+    let addr = format!("unix:{}", sock.display());
+    let server = Server::start(&[
+        os("--base"),
+        old.as_os_str(),
+        os("--cow"),
+        cow.as_os_str(),
+        os("--nbd"),
+        os(&addr),
+    ]);
+    (server, sock, new, size)
+}
+
+#[test]
+fn real_clients_see_the_new_image() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let (server, sock, new, size) = start_nbd(t, "small");
+    let uri = format!("nbd+unix:///?socket={}", sock.display());
+
+    let (ok, out) = run(Command::new("qemu-img")
+        .args(["compare", "-f", "raw", "-F", "raw"])
+        .arg(&new)
+        .arg(&uri));
+    assert!(
+        ok && out.contains("Images are identical"),
+        "qemu-img compare: {out}"
+    );
+
+    let (ok, out) = run(Command::new("qemu-img")
+        .args(["info", "--output=json", "-f", "raw"])
+        .arg(&uri));
+    assert!(
+        ok && out.contains(&format!("\"virtual-size\": {size}")),
+        "qemu-img info: {out}"
+    );
+
+    let (ok, out) = run(Command::new("nbdinfo").arg(&uri));
+    assert!(ok, "nbdinfo: {out}");
+    assert!(
+        out.contains(&format!("export-size: {size}")),
+        "nbdinfo: {out}"
+    );
+    assert!(out.contains("is_read_only: true"), "nbdinfo: {out}");
+    assert!(out.contains("can_multi_conn: true"), "nbdinfo: {out}");
+    assert!(out.contains("block_size_preferred: 4096"), "nbdinfo: {out}");
+
+    let (ok, out) = run(Command::new("nbdinfo").arg("--list").arg(&uri));
+    assert!(
+        ok && out.contains("export=\"vabc\""),
+        "nbdinfo --list: {out}"
+    );
+
+    let copy = t.join("copy.img");
+    let (ok, out) = run(Command::new("nbdcopy")
+        .args(["--connections=4", "--requests=16"])
+        .arg(&uri)
+        .arg(&copy));
+    assert!(ok, "nbdcopy: {out}");
+    let (same, out) = run(Command::new("cmp").arg(&copy).arg(&new));
+    assert!(same, "nbdcopy output differs: {out}");
+
+    // Writes are refused by the server (qemu-io opens it writable; the write fails).
+    let (ok, out) = run(Command::new("qemu-io")
+        .args(["-f", "raw", "-c", "write -P 0xab 0 4k"])
+        .arg(&uri));
+    assert!(
+        !ok || out.to_lowercase().contains("read-only") || out.contains("Operation not permitted"),
+        "qemu-io write: {out}"
+    );
+
+    assert!(server.stop().success());
+    assert!(!sock.exists(), "socket left behind");
+}
+
+// --- a minimal client for the protocol corners ---
+
+fn u32be(b: &[u8]) -> u32 {
+    u32::from_be_bytes(b[..4].try_into().unwrap())
+}
+fn u64be(b: &[u8]) -> u64 {
+    u64::from_be_bytes(b[..8].try_into().unwrap())
+}
+
+/// Fixed-newstyle handshake with NBD_OPT_GO for the default export; returns the size.
+fn connect(sock: &Path) -> (UnixStream, u64) {
+    let mut s = UnixStream::connect(sock).unwrap();
+    let mut hello = [0u8; 18];
+    s.read_exact(&mut hello).unwrap();
+    assert_eq!(&hello[..8], b"NBDMAGIC");
+    assert_eq!(&hello[8..16], b"IHAVEOPT");
+    s.write_all(&3u32.to_be_bytes()).unwrap(); // FIXED_NEWSTYLE | NO_ZEROES
+    // OPT_GO, name "", one info request (BLOCK_SIZE).
+    let mut opt = Vec::new();
+    opt.extend_from_slice(b"IHAVEOPT");
+    opt.extend_from_slice(&7u32.to_be_bytes());
+    opt.extend_from_slice(&8u32.to_be_bytes());
+    opt.extend_from_slice(&0u32.to_be_bytes());
+    opt.extend_from_slice(&1u16.to_be_bytes());
+    opt.extend_from_slice(&3u16.to_be_bytes());
+    s.write_all(&opt).unwrap();
+    let mut size = 0;
+    loop {
+        let mut h = [0u8; 20];
+        s.read_exact(&mut h).unwrap();
+        assert_eq!(u64be(&h), 0x3e889045565a9);
+        let (kind, len) = (u32be(&h[12..]), u32be(&h[16..]) as usize);
+        let mut d = vec![0u8; len];
+        s.read_exact(&mut d).unwrap();
+        match kind {
+            1 => break, // ACK
+            3 if d[..2] == [0, 0] => {
+                size = u64be(&d[2..]);
+                let flags = u16::from_be_bytes([d[10], d[11]]);
+                assert_eq!(flags & 0b11, 0b11, "HAS_FLAGS | READ_ONLY");
+            }
+            3 => assert_eq!(&d[..2], &[0, 3]),
+            k => panic!("unexpected option reply {k:#x}"),
+        }
+    }
+    (s, size)
+}
+
+fn request(s: &mut UnixStream, kind: u16, cookie: u64, offset: u64, len: u32) {
+    let mut r = Vec::with_capacity(28);
+    r.extend_from_slice(&0x25609513u32.to_be_bytes());
+    r.extend_from_slice(&0u16.to_be_bytes());
+    r.extend_from_slice(&kind.to_be_bytes());
+    r.extend_from_slice(&cookie.to_be_bytes());
+    r.extend_from_slice(&offset.to_be_bytes());
+    r.extend_from_slice(&len.to_be_bytes());
+    s.write_all(&r).unwrap();
+}
+
+fn reply(s: &mut UnixStream) -> (u32, u64) {
+    let mut h = [0u8; 16];
+    s.read_exact(&mut h).unwrap();
+    assert_eq!(u32be(&h), 0x67446698);
+    (u32be(&h[4..]), u64be(&h[8..]))
+}
+
+#[test]
+fn pipelined_reads_on_several_connections_match_and_writes_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let (server, sock, new, size) = start_nbd(t, "tiny");
+    let want = std::sync::Arc::new(std::fs::read(&new).unwrap());
+    let threads: Vec<_> = (0..8u64)
+        .map(|c| {
+            let (sock, want) = (sock.clone(), want.clone());
+            std::thread::spawn(move || {
+                let (mut s, got_size) = connect(&sock);
+                assert_eq!(got_size, want.len() as u64);
+                let mut seed = c * 7919 + 17;
+                let mut reqs = std::collections::HashMap::new();
+                // 32 reads in flight per connection before reading any reply.
+                for cookie in 0..32u64 {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    let off = seed % got_size;
+                    let len = ((seed >> 20) % (256 << 10)).min(got_size - off).max(1) as u32;
+                    request(&mut s, 0, cookie, off, len);
+                    reqs.insert(cookie, (off, len));
+                }
+                for _ in 0..32 {
+                    let (err, cookie) = reply(&mut s);
+                    assert_eq!(err, 0);
+                    let (off, len) = reqs.remove(&cookie).expect("reply for a known cookie");
+                    let mut data = vec![0u8; len as usize];
+                    s.read_exact(&mut data).unwrap();
+                    assert!(
+                        data[..] == want[off as usize..off as usize + len as usize],
+                        "conn {c}: {len} bytes at {off}"
+                    );
+                }
+                s
+            })
+        })
+        .collect();
+    let mut conns: Vec<UnixStream> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    let s = &mut conns[0];
+    // WRITE (with payload), TRIM, out-of-range READ, FLUSH, then DISC.
+    request(s, 1, 100, 0, 4096);
+    s.write_all(&[0u8; 4096]).unwrap();
+    assert_eq!(reply(s), (1, 100)); // EPERM
+    request(s, 4, 101, 0, 4096);
+    assert_eq!(reply(s), (1, 101));
+    request(s, 0, 102, size - 1, 2);
+    assert_eq!(reply(s), (22, 102)); // EINVAL
+    request(s, 3, 103, 0, 0);
+    assert_eq!(reply(s), (0, 103));
+    request(s, 2, 104, 0, 0);
+    let mut rest = Vec::new();
+    s.read_to_end(&mut rest).unwrap();
+    assert!(rest.is_empty(), "server sent data after DISC");
+    drop(conns);
+    assert!(server.stop().success());
+}
+
+#[test]
+fn tcp_listener_works_too() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let old = corpus_image("tiny", "old", "ext4");
+    let new = corpus_image("tiny", "new", "ext4");
+    let cow = t.join("update.cow");
+    make_cow(&old, &new, &cow, 2, "lz4");
+    // Port 0 lets the kernel choose; the ready output names the real port.
+    let server = Server::start(&[
+        os("--base"),
+        old.as_os_str(),
+        os("--cow"),
+        cow.as_os_str(),
+        os("--nbd"),
+        os("tcp:127.0.0.1:0"),
+    ]);
+    let uri = server
+        .stdout
+        .iter()
+        .find_map(|l| {
+            l.split_whitespace()
+                .find(|w| w.starts_with("nbd://"))
+                .map(str::to_string)
+        })
+        .expect("NBD URI in the output");
+    let (ok, out) = run(Command::new("qemu-img")
+        .args(["compare", "-f", "raw", "-F", "raw"])
+        .arg(&new)
+        .arg(&uri));
+    assert!(
+        ok && out.contains("Images are identical"),
+        "qemu-img compare over TCP: {out}"
+    );
+    assert!(server.stop().success());
+}
