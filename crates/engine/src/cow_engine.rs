@@ -31,20 +31,28 @@ const BS: u64 = BLOCK_SIZE as u64;
 /// Requests with at least this many separate base reads issue them concurrently.
 const IO_FANOUT_MIN: usize = 4;
 
-/// Where a COPY/XOR block is read from while a merge runs (spec §4.5).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Where a COPY/XOR block's data comes from while a merge may be running (spec §4.5).
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum MergeRedirect {
     /// Not merged yet: read the source (+ XOR payload) as usual.
     Cow,
     /// Already merged: the new data is in the base image at the destination block.
     BaseAtNewBlock,
+    /// Being merged right now: the new block's 4096 bytes, from the scratch copy.
+    Scratch(Vec<u8>),
 }
 
-/// Hook for serving reads during a merge. The merge thread (later) implements it from its
-/// group states; the engine asks it for every COPY/XOR op it is about to read.
-/// REPLACE/ZERO blocks are always served from the COW, before and after their merge, as
-/// snapuserd does. Scratch-area reads (groups RA_READY/IN_PROGRESS) will add a variant.
+/// Hook for serving reads during a merge. REPLACE/ZERO blocks are always served from
+/// the COW, before and after their merge, as snapuserd does; only COPY/XOR ask.
 pub trait MergeHook: Send + Sync {
+    /// Called once per read request. The guard is held until the request's data is
+    /// assembled, and the merge must not overwrite a source that a live guard may
+    /// read (it waits for guards to drain before writing a window's destinations).
+    fn begin_read(&self) -> Box<dyn MergeGuard + '_>;
+}
+
+/// A consistent view of the merge state for one read request.
+pub trait MergeGuard {
     fn redirect(&self, op_index: usize, op: &Op) -> MergeRedirect;
 }
 
@@ -319,7 +327,14 @@ impl CowEngine {
     }
 
     /// Appends the segments of `[offset, offset + len)` to `plan`.
-    fn plan(&self, offset: u64, len: usize, plan: &mut Vec<Seg>) {
+    fn plan(
+        &self,
+        offset: u64,
+        len: usize,
+        plan: &mut Vec<Seg>,
+        merge: Option<&dyn MergeGuard>,
+        patches: &mut Vec<(usize, Vec<u8>)>,
+    ) {
         let ops = self.reader.ops();
         let end = offset + len as u64;
         let mut pos = offset;
@@ -342,13 +357,29 @@ impl CowEngine {
             let op_start = op.new_block * BS;
             let mut kind = op.kind;
             if kind.is_ordered()
-                && let Some(hook) = &self.merge
-                && hook.redirect(ext.op as usize, op) == MergeRedirect::BaseAtNewBlock
+                && let Some(guard) = merge
             {
-                let seg_end = end.min(ext.end() * BS);
-                self.push_identity(pos, seg_end, plan);
-                pos = seg_end;
-                continue;
+                match guard.redirect(ext.op as usize, op) {
+                    MergeRedirect::Cow => {}
+                    MergeRedirect::BaseAtNewBlock => {
+                        let seg_end = end.min(ext.end() * BS);
+                        self.push_identity(pos, seg_end, plan);
+                        pos = seg_end;
+                        continue;
+                    }
+                    MergeRedirect::Scratch(data) => {
+                        // One block: a placeholder now, the scratch bytes after execution.
+                        let seg_end = end.min((block + 1) * BS);
+                        let n = (seg_end - pos) as usize;
+                        let from = (pos - block * BS) as usize;
+                        if data.len() >= from + n {
+                            patches.push(((pos - offset) as usize, data[from..from + n].to_vec()));
+                        }
+                        push_coalesced(plan, Seg::Zero { len: n });
+                        pos = seg_end;
+                        continue;
+                    }
+                }
             }
             if kind == OpKind::Copy && op.blocks == 0 {
                 kind = OpKind::Zero;
@@ -567,8 +598,17 @@ impl CowEngine {
                 }
             };
             plan.clear();
-            self.plan(offset, buf.len(), plan);
-            self.execute(plan, buf)
+            // Held until the data is assembled: the merge cannot overwrite a source
+            // this request reads.
+            let guard = self.merge.as_ref().map(|h| h.begin_read());
+            let mut patches = Vec::new();
+            self.plan(offset, buf.len(), plan, guard.as_deref(), &mut patches);
+            self.execute(plan, buf)?;
+            for (at, data) in patches {
+                buf[at..at + data.len()].copy_from_slice(&data);
+            }
+            drop(guard);
+            Ok(())
         })
     }
 

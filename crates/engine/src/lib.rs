@@ -28,7 +28,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 pub use cow_engine::{
-    BlockVerifier, CowEngine, CowEngineOptions, EngineStats, MergeHook, MergeRedirect,
+    BlockVerifier, CowEngine, CowEngineOptions, EngineStats, MergeGuard, MergeHook, MergeRedirect,
 };
 pub use error::{EngineError, Result};
 pub use io::{AlignedBuf, DIRECT_ALIGN, ImageFile};

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use engine::{
-    BlockDevice, BlockVerifier, CowEngine, CowEngineOptions, EngineError, FileDevice, MergeHook,
-    MergeRedirect,
+    BlockDevice, BlockVerifier, CowEngine, CowEngineOptions, EngineError, FileDevice, MergeGuard,
+    MergeHook, MergeRedirect,
 };
 
 fn vectors() -> PathBuf {
@@ -277,6 +277,12 @@ fn truncated_cow_is_refused() {
 
 struct AllMerged;
 impl MergeHook for AllMerged {
+    fn begin_read(&self) -> Box<dyn MergeGuard + '_> {
+        Box::new(AllMerged)
+    }
+}
+
+impl MergeGuard for AllMerged {
     fn redirect(&self, _i: usize, _op: &cow::Op) -> MergeRedirect {
         MergeRedirect::BaseAtNewBlock
     }

@@ -13,6 +13,7 @@
 pub mod error;
 pub mod io;
 pub mod merger;
+pub mod serving;
 pub mod status;
 pub mod uring;
 pub mod view;

@@ -19,6 +19,7 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use cow::format::{BLOCK_SIZE, BLOCK_SIZE_U64};
 use cow::view::xor_into;
@@ -99,6 +100,7 @@ pub struct Merge<'a> {
     window_cap: usize,
     opts: MergeOptions,
     status: Option<Arc<MergeStatus>>,
+    cancel: Option<Arc<AtomicBool>>,
 }
 
 impl<'a> Merge<'a> {
@@ -150,12 +152,19 @@ impl<'a> Merge<'a> {
             window_cap,
             opts,
             status: None,
+            cancel: None,
         })
     }
 
     /// Share progress with readers serving the image during the merge.
     pub fn with_status(mut self, status: Arc<MergeStatus>) -> Self {
         self.status = Some(status);
+        self
+    }
+
+    /// Stop at the next commit once `flag` is set (a later run resumes).
+    pub fn with_cancel(mut self, flag: Arc<AtomicBool>) -> Self {
+        self.cancel = Some(flag);
         self
     }
 
@@ -209,7 +218,13 @@ impl<'a> Merge<'a> {
         }
         let result = (|| -> Result<()> {
             let mut commits = 0usize;
-            let out_of_budget = |c: usize| self.opts.max_commits.is_some_and(|m| c >= m);
+            let out_of_budget = |c: usize| {
+                self.opts.max_commits.is_some_and(|m| c >= m)
+                    || self
+                        .cancel
+                        .as_ref()
+                        .is_some_and(|f| f.load(Ordering::Relaxed))
+            };
             if state == STATE_DONE && (pos as usize) < self.ordered {
                 let n = self.replay_window(io, pos as usize, &mut window)?;
                 if n > 0 {

@@ -291,3 +291,61 @@ fn concurrent_reads_during_merge() {
     assert!(reads.load(Ordering::Relaxed) > 100, "readers barely ran");
     assert!(std::fs::read(&base_path).unwrap() == new);
 }
+
+/// The serving engine with the merge hook: random unaligned reads from
+/// several threads while the merge runs always return the new image.
+#[test]
+fn engine_reads_during_merge() {
+    use engine::{BlockDevice, CowEngine, CowEngineOptions};
+    let dir = tempfile::tempdir().unwrap();
+    let cow_path = dir.path().join("u.cow");
+    let base_path = dir.path().join("b.img");
+    let (old, new) = make_update(&cow_path, 1024, 2, Codec::Lz4);
+    std::fs::write(&base_path, &old).unwrap();
+    let r = CowReader::open(&cow_path).unwrap();
+    let opts = MergeOptions {
+        window_ops: 4,
+        commit_ops: 3,
+        ..Default::default()
+    };
+    let status = Arc::new(MergeStatus::new());
+    let m = Merge::new(&r, old.len() as u64, base_path.clone(), opts)
+        .unwrap()
+        .with_status(status.clone());
+    let mut io = UringIo::new(rw(&base_path), rw(&cow_path), 64).unwrap();
+    m.load_status(&mut io, &status).unwrap();
+    let mut eng = CowEngine::open(&base_path, &cow_path, &CowEngineOptions::default()).unwrap();
+    eng.set_merge_hook(Arc::new(
+        merge::serving::StatusHook::new(&r, status.clone()).unwrap(),
+    ));
+    let done = AtomicBool::new(false);
+    let reads = AtomicU64::new(0);
+    let size = new.len() as u64;
+    std::thread::scope(|s| {
+        for t in 0..4u64 {
+            let (eng, new, done, reads) = (&eng, &new, &done, &reads);
+            s.spawn(move || {
+                let mut x = t * 7919 + 99;
+                let mut buf = vec![0u8; 64 * 1024];
+                while !done.load(Ordering::Acquire) {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    let off = x % (size - 1);
+                    let len = ((x >> 20) % (buf.len() as u64)).min(size - off).max(1) as usize;
+                    eng.read_at(&mut buf[..len], off).unwrap();
+                    assert!(
+                        buf[..len] == new[off as usize..off as usize + len],
+                        "read {off}+{len} wrong during merge"
+                    );
+                    reads.fetch_add(1, Ordering::Relaxed);
+                }
+            });
+        }
+        let rep = m.run(&mut io, &|_, _| {}).unwrap();
+        assert!(rep.complete());
+        done.store(true, Ordering::Release);
+    });
+    assert!(reads.load(Ordering::Relaxed) > 50, "readers barely ran");
+    assert!(std::fs::read(&base_path).unwrap() == new);
+}

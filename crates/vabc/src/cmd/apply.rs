@@ -44,6 +44,14 @@ pub fn run(a: Args) -> Result<ExitCode> {
             );
         }
     }
+    if cow.header().num_merge_ops > 0 {
+        bail!(
+            "{}: {} ops are already merged into a base, so a base is no longer the old image; \
+             finish the merge (vabc merge) or serve it (vabc serve) instead",
+            a.cow.display(),
+            cow.header().num_merge_ops
+        );
+    }
     let view = SnapshotView::new(&cow, &base, &a.base, a.size)?;
     let needed = cow.source_extent();
     if view.base_size() < needed {

@@ -61,6 +61,11 @@ pub struct Args {
     /// Read the base through the page cache instead of O_DIRECT.
     #[arg(long)]
     pub buffered: bool,
+    /// Merge the COW into the base in the background while serving: the base
+    /// becomes the new image in place (crash-safe, resumable), and every read
+    /// stays correct before, during and after each op's merge.
+    #[arg(long)]
+    merge: bool,
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -106,13 +111,16 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         direct_io: !args.buffered,
         io_threads: args.io_threads,
     };
-    let engine = CowEngine::open(&args.base, &args.cow, &opts).with_context(|| {
+    let mut engine = CowEngine::open(&args.base, &args.cow, &opts).with_context(|| {
         format!(
             "cannot serve {} + {}",
             args.base.display(),
             args.cow.display()
         )
     })?;
+    // Even without --merge, a COW that is partly merged (an interrupted merge)
+    // must be served through its merge state: merged sources may be gone.
+    let merge_job = MergeJob::prepare(&args, &mut engine)?;
     let size = engine.size();
     let dev: Arc<dyn BlockDevice> = Arc::new(engine);
 
@@ -170,8 +178,24 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     use std::io::Write;
     let _ = std::io::stdout().flush();
 
+    let mut merge_job = merge_job.filter(|_| args.merge).map(MergeJob::start);
+    let mut merge_failed = None;
     let mut lost = false;
     while !stop.load(Ordering::Relaxed) {
+        if let Some(job) = merge_job.take_if(|j| j.is_finished()) {
+            match job.join() {
+                // stderr: a client may have closed our stdout after "ready".
+                Ok(r) => eprintln!(
+                    "vabc serve: merge complete: {} ops ({} this run); the base is now the new image",
+                    r.total_ops,
+                    r.merged - r.started_at
+                ),
+                Err(e) => {
+                    eprintln!("vabc serve: merge failed: {e:#}");
+                    merge_failed = Some(e);
+                }
+            }
+        }
         let alive = stack.as_ref().is_none_or(MountStack::is_alive)
             && fuse.as_ref().is_none_or(FuseExport::is_alive);
         if !alive {
@@ -181,6 +205,17 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         std::thread::sleep(Duration::from_millis(100));
     }
 
+    // A merge still running stops at its next commit; the next run resumes.
+    if let Some(job) = merge_job {
+        match job.cancel_and_join() {
+            Ok(r) if !r.complete() => eprintln!(
+                "vabc serve: merge paused at op {} of {}; serve --merge again to resume",
+                r.merged, r.total_ops
+            ),
+            Ok(_) => {}
+            Err(e) => merge_failed = Some(e),
+        }
+    }
     let mut result = Ok(());
     if let Some(s) = stack {
         result = s.teardown().context("tear down the mount stack");
@@ -196,6 +231,128 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     if lost {
         bail!("the FUSE export was unmounted from outside; stopped serving");
     }
+    if let Some(e) = merge_failed {
+        return Err(e.context("merge failed (serving stayed correct; run again to resume)"));
+    }
     eprintln!("vabc serve: stopped, everything unmounted");
     Ok(ExitCode::SUCCESS)
+}
+
+/// A merge running in the background of the server.
+struct MergeJob {
+    base: std::path::PathBuf,
+    cow: std::path::PathBuf,
+    status: Arc<merge::MergeStatus>,
+    cancel: Arc<AtomicBool>,
+    handle: Option<std::thread::JoinHandle<anyhow::Result<merge::MergeReport>>>,
+}
+
+impl MergeJob {
+    /// Validate the merge and bring the engine's view of it up to date
+    /// before the first read is served (a published scratch window counts).
+    /// None when there is nothing to merge-track: no --merge and nothing
+    /// merged yet.
+    fn prepare(args: &Args, engine: &mut CowEngine) -> anyhow::Result<Option<MergeJob>> {
+        let reader = engine.reader();
+        let h = reader.header();
+        let mut state = [0u8; 1];
+        if h.buffer_size > 0 {
+            reader.read_file_at(&mut state, u64::from(h.header_size))?;
+        }
+        if !args.merge && h.num_merge_ops == 0 && state[0] != merge::merger::STATE_DONE {
+            return Ok(None);
+        }
+        let reader = cow::CowReader::open(&args.cow)?;
+        let status = Arc::new(merge::MergeStatus::new());
+        let ro = |p: &std::path::Path| {
+            std::fs::File::open(p).with_context(|| format!("cannot open {}", p.display()))
+        };
+        let size = cow::view::file_size(&ro(&args.base)?, &args.base)?;
+        let m = merge::Merge::new(
+            &reader,
+            size,
+            args.base.clone(),
+            merge::MergeOptions::default(),
+        )
+        .context("the COW is partly merged, but its merge cannot be tracked")?;
+        // Reads only: the device state as the merge left it.
+        m.load_status(
+            &mut merge::SyncIo::new(ro(&args.base)?, ro(&args.cow)?),
+            &status,
+        )?;
+        engine.set_merge_hook(Arc::new(merge::serving::StatusHook::new(
+            &reader,
+            status.clone(),
+        )?));
+        Ok(Some(MergeJob {
+            base: args.base.clone(),
+            cow: args.cow.clone(),
+            status,
+            cancel: Arc::new(AtomicBool::new(false)),
+            handle: None,
+        }))
+    }
+
+    fn open<'a>(
+        base: &std::path::Path,
+        cow: &std::path::Path,
+        reader: &'a cow::CowReader,
+    ) -> anyhow::Result<(merge::Merge<'a>, Box<dyn merge::MergeIo>)> {
+        let rw = |p: &std::path::Path| {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(p)
+                .with_context(|| format!("cannot open {} for the merge", p.display()))
+        };
+        let (b, c) = (rw(base)?, rw(cow)?);
+        let size = cow::view::file_size(&b, base)?;
+        let m = merge::Merge::new(
+            reader,
+            size,
+            base.to_path_buf(),
+            merge::MergeOptions::default(),
+        )?;
+        let io = merge::UringIo::new(b, c, 64).context("cannot set up io_uring")?;
+        Ok((m, Box::new(io)))
+    }
+
+    fn start(mut self) -> MergeJob {
+        let (base, cow, status, cancel) = (
+            self.base.clone(),
+            self.cow.clone(),
+            self.status.clone(),
+            self.cancel.clone(),
+        );
+        eprintln!(
+            "vabc serve: merging {} into {} in the background",
+            cow.display(),
+            base.display()
+        );
+        self.handle = Some(std::thread::spawn(move || {
+            let reader = cow::CowReader::open(&cow)?;
+            let (m, mut io) = Self::open(&base, &cow, &reader)?;
+            let m = m.with_status(status).with_cancel(cancel);
+            Ok(m.run(io.as_mut(), &|_, _| {})?)
+        }));
+        self
+    }
+
+    fn is_finished(&self) -> bool {
+        self.handle.as_ref().is_none_or(|h| h.is_finished())
+    }
+
+    fn join(mut self) -> anyhow::Result<merge::MergeReport> {
+        match self.handle.take() {
+            Some(h) => h
+                .join()
+                .map_err(|_| anyhow::anyhow!("the merge thread panicked"))?,
+            None => anyhow::bail!("the merge was never started"),
+        }
+    }
+
+    fn cancel_and_join(self) -> anyhow::Result<merge::MergeReport> {
+        self.cancel.store(true, Ordering::Relaxed);
+        self.join()
+    }
 }
