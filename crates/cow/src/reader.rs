@@ -333,6 +333,37 @@ impl CowReader {
         })
     }
 
+    /// Decode an op's payload from its stored bytes (`data_length` bytes
+    /// read from `data_offset` by the caller, e.g. in one batched read for
+    /// many ops) into `out` (`op.blocks * 4096` bytes, 4096 for XOR).
+    pub fn decode_payload(&self, op: &Op, stored: &[u8], out: &mut [u8]) -> Result<()> {
+        let unit = op.unit_size();
+        if out.len() != unit || stored.len() != op.data_length as usize {
+            return Err(CowError::Usage {
+                path: self.path.clone(),
+                msg: format!(
+                    "decode_payload: {} op for block {}: {} stored bytes into {} (expected {} into {unit})",
+                    op.kind,
+                    op.new_block,
+                    stored.len(),
+                    out.len(),
+                    op.data_length
+                ),
+            });
+        }
+        if self.is_stored_raw(op) {
+            if stored.len() != unit {
+                return Err(self.decode_err(
+                    op,
+                    format!("raw payload is {} bytes, expected {unit}", stored.len()),
+                ));
+            }
+            out.copy_from_slice(stored);
+            return Ok(());
+        }
+        codec::decompress(self.codec, stored, out).map_err(|m| self.decode_err(op, m))
+    }
+
     /// §2.6: v3 stores a unit raw exactly when `data_length == unit size`;
     /// v2 does so only for lz4/zstd (gz and brotli are always compressed).
     fn is_stored_raw(&self, op: &Op) -> bool {

@@ -313,14 +313,54 @@ impl<'a> Merge<'a> {
         let first = runs.first().map_or(0, |r| r.0);
         io.read_many(Dev::Base, &mut reqs)
             .map_err(|e| self.base_io("read sources", first, e))?;
+        let xors: Vec<&Op> = ops.iter().filter(|o| o.kind == OpKind::Xor).collect();
+        if xors.is_empty() {
+            return Ok(());
+        }
+        let (stored, at) = self.read_payloads(io, &xors)?;
         let mut payload = vec![0u8; BLOCK_SIZE];
+        let mut k = 0;
         for (i, op) in ops.iter().enumerate() {
             if op.kind == OpKind::Xor {
-                self.cow.read_payload(op, &mut payload)?;
+                let s = &stored[at[k]..at[k] + op.data_length as usize];
+                self.cow.decode_payload(op, s, &mut payload)?;
                 xor_into(&mut buf[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE], &payload);
+                k += 1;
             }
         }
         Ok(())
+    }
+
+    /// Read the stored payloads of `ops` with as few reads as possible:
+    /// payloads adjacent in the COW (the usual case: the writer lays them
+    /// out in op order) are one read. Returns the bytes and each op's
+    /// position in them.
+    fn read_payloads(&self, io: &mut dyn MergeIo, ops: &[&Op]) -> Result<(Vec<u8>, Vec<usize>)> {
+        let total: usize = ops.iter().map(|o| o.data_length as usize).sum();
+        let mut stored = vec![0u8; total];
+        let mut at = Vec::with_capacity(ops.len());
+        let mut runs: Vec<(u64, usize)> = Vec::new(); // (file offset, length)
+        let mut pos = 0;
+        for op in ops {
+            at.push(pos);
+            let len = op.data_length as usize;
+            match runs.last_mut() {
+                Some((o, l)) if *o + *l as u64 == op.data_offset => *l += len,
+                _ => runs.push((op.data_offset, len)),
+            }
+            pos += len;
+        }
+        let mut reqs: Vec<(u64, &mut [u8])> = Vec::with_capacity(runs.len());
+        let mut rest: &mut [u8] = &mut stored;
+        for &(off, len) in &runs {
+            let (head, tail) = rest.split_at_mut(len);
+            reqs.push((off, head));
+            rest = tail;
+        }
+        let first = runs.first().map_or(0, |r| r.0);
+        io.read_many(Dev::Cow, &mut reqs)
+            .map_err(|e| self.cow_io("read payloads", first, e))?;
+        Ok((stored, at))
     }
 
     fn merge_window(
@@ -474,12 +514,19 @@ impl<'a> Merge<'a> {
         }
         let ops = &self.order[pos..end];
         let mut data = vec![0u8; bytes];
+        let replaces: Vec<&Op> = ops.iter().filter(|o| o.kind == OpKind::Replace).collect();
+        let (stored, stored_at) = self.read_payloads(io, &replaces)?;
+        let mut k = 0;
         let mut runs: Vec<(u64, usize, usize)> = Vec::new(); // (block, byte start, len)
         let mut at = 0;
         for op in ops {
             let len = op.unit_size();
             match op.kind {
-                OpKind::Replace => self.cow.read_payload(op, &mut data[at..at + len])?,
+                OpKind::Replace => {
+                    let s = &stored[stored_at[k]..stored_at[k] + op.data_length as usize];
+                    self.cow.decode_payload(op, s, &mut data[at..at + len])?;
+                    k += 1;
+                }
                 OpKind::Zero => {}
                 OpKind::Copy | OpKind::Xor => {
                     return Err(MergeError::Corrupt {
