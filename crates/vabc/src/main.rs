@@ -24,6 +24,8 @@ enum Command {
     Apply(cmd::apply::Args),
     /// Merge a COW into its base image in place (crash-safe, resumable).
     Merge(cmd::merge::Args),
+    /// Make the COW update that turns OLD into NEW (COPY, XOR, ZERO, REPLACE).
+    Diff(cmd::diff::Args),
     /// Build and check dm-verity hash trees (veritysetup compatible).
     Verity(cmd::verity::Args),
     /// Add and inspect unsigned AVB hashtree footers (avbtool layout, no FEC).
@@ -38,6 +40,7 @@ fn main() -> std::process::ExitCode {
         Command::Inspect(a) => cmd::inspect::run(a),
         Command::Apply(a) => cmd::apply::run(a),
         Command::Merge(a) => cmd::merge::run(a),
+        Command::Diff(a) => cmd::diff::run(a),
         Command::Verity(a) => cmd::verity::run(a),
         Command::Avb(a) => cmd::avb::run(a),
         Command::Serve(a) => cmd::serve::run(a),

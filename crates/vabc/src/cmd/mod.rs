@@ -1,5 +1,6 @@
 pub mod apply;
 pub mod avb;
+pub mod diff;
 pub mod inspect;
 pub mod merge;
 pub mod serve;

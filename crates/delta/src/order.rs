@@ -1,0 +1,302 @@
+//! Merge ordering of COPY/XOR ops, safe for an in-place merge op by op.
+//!
+//! The rule (AOSP `VerifyMergeOps`, spec §2.8): walking the merge order, an
+//! op's source blocks — COPY: `src_block`; XOR: `src_offset / 4096`, plus the
+//! next block when the offset is not 4 KiB-aligned — must not be the
+//! destination of any earlier op; REPLACE and ZERO come after every ordered
+//! op. So op A (reading block b) must merge before op B (writing b): an edge
+//! A → B. The order is Kahn's topological sort with the free ops taken by
+//! ascending destination (what AOSP's generator does, and what lets the merge
+//! coalesce writes). A cycle is broken by turning one of its ops into a
+//! REPLACE, which merges last and so constrains nothing: the op chosen
+//! has the most remaining edges (XOR preferred, as its REPLACE costs least
+//! extra, then the lowest destination), found by walking predecessors
+//! from the lowest pending op until a node repeats.
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
+use crate::BLOCK_SIZE;
+use crate::plan::{BlockOp, PlannedOp};
+
+const NONE: u32 = u32::MAX;
+
+/// The blocks an op reads during the merge (0, 1 or 2 of them).
+pub fn source_blocks(op: &BlockOp) -> impl Iterator<Item = u64> + use<> {
+    let (a, b) = match *op {
+        BlockOp::Copy { src_block } => (Some(src_block), None),
+        BlockOp::Xor { src_offset } => {
+            let first = src_offset / BLOCK_SIZE as u64;
+            let second = (src_offset % BLOCK_SIZE as u64 != 0).then_some(first + 1);
+            (Some(first), second)
+        }
+        BlockOp::Zero | BlockOp::Replace => (None, None),
+    };
+    a.into_iter().chain(b)
+}
+
+/// Result of [`order_merge`].
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct MergeOrder {
+    /// Destination blocks of the ordered (COPY/XOR) ops, in merge order.
+    pub sequence: Vec<u64>,
+    /// Ordered ops turned into REPLACE to break dependency cycles.
+    pub converted: u64,
+}
+
+/// Compute the merge sequence for `ops` (sorted by `dst`, one op per
+/// block), turning cycle-breaking ops into [`BlockOp::Replace`] in place.
+pub fn order_merge(ops: &mut [PlannedOp]) -> MergeOrder {
+    debug_assert!(ops.windows(2).all(|w| w[0].dst < w[1].dst));
+    // Nodes are the ordered ops, numbered in ascending dst order.
+    let ord: Vec<usize> = ops
+        .iter()
+        .enumerate()
+        .filter(|(_, o)| matches!(o.op, BlockOp::Copy { .. } | BlockOp::Xor { .. }))
+        .map(|(i, _)| i)
+        .collect();
+    let n = ord.len();
+    let dst = |node: usize| ops[ord[node]].dst;
+    let node_of = |block: u64| -> Option<usize> {
+        let k = ord.partition_point(|&i| ops[i].dst < block);
+        (k < n && ops[ord[k]].dst == block).then_some(k)
+    };
+
+    // succ[a]: nodes that must merge after a (they overwrite a's sources).
+    let mut succ = vec![[NONE; 2]; n];
+    let mut indeg = vec![0u32; n];
+    for (a, s) in succ.iter_mut().enumerate() {
+        for (k, blk) in source_blocks(&ops[ord[a]].op).enumerate() {
+            if let Some(b) = node_of(blk).filter(|&b| b != a) {
+                s[k] = b as u32;
+                indeg[b] += 1;
+            }
+        }
+    }
+    // pred[b]: nodes that read b's destination (CSR layout).
+    let mut pred_start = vec![0u32; n + 1];
+    for s in &succ {
+        for &b in s.iter().filter(|&&b| b != NONE) {
+            pred_start[b as usize + 1] += 1;
+        }
+    }
+    for i in 0..n {
+        pred_start[i + 1] += pred_start[i];
+    }
+    let mut fill = pred_start.clone();
+    let mut pred = vec![0u32; pred_start[n] as usize];
+    for (a, s) in succ.iter().enumerate() {
+        for &b in s.iter().filter(|&&b| b != NONE) {
+            pred[fill[b as usize] as usize] = a as u32;
+            fill[b as usize] += 1;
+        }
+    }
+
+    #[derive(Clone, Copy, PartialEq, Eq)]
+    enum State {
+        Pending,
+        Done,
+        Removed,
+    }
+    let mut state = vec![State::Pending; n];
+    let mut heap: BinaryHeap<Reverse<u32>> = (0..n)
+        .filter(|&i| indeg[i] == 0)
+        .map(|i| Reverse(i as u32))
+        .collect();
+    let mut sequence = Vec::with_capacity(n);
+    let mut converted = 0u64;
+    let mut done = 0usize;
+    let mut scan = 0usize; // every node below `scan` is no longer pending
+    let mut stamp = vec![0u32; n];
+    let mut walk_id = 0u32;
+    let mut path: Vec<u32> = Vec::new();
+
+    let release =
+        |a: usize, indeg: &mut [u32], heap: &mut BinaryHeap<Reverse<u32>>, state: &[State]| {
+            for &b in succ[a].iter().filter(|&&b| b != NONE) {
+                let b = b as usize;
+                if state[b] == State::Pending {
+                    indeg[b] -= 1;
+                    if indeg[b] == 0 {
+                        heap.push(Reverse(b as u32));
+                    }
+                }
+            }
+        };
+
+    while done < n {
+        if let Some(Reverse(a)) = heap.pop() {
+            let a = a as usize;
+            state[a] = State::Done;
+            done += 1;
+            sequence.push(dst(a));
+            release(a, &mut indeg, &mut heap, &state);
+            continue;
+        }
+        // Stalled: every pending node has a pending predecessor, so walking
+        // predecessors from any pending node must close a cycle.
+        while state[scan] != State::Pending {
+            scan += 1;
+        }
+        walk_id += 1;
+        path.clear();
+        let mut v = scan;
+        let cycle_start = loop {
+            stamp[v] = walk_id;
+            path.push(v as u32);
+            let lo = pred_start[v] as usize;
+            let hi = pred_start[v + 1] as usize;
+            let u = pred[lo..hi]
+                .iter()
+                .map(|&u| u as usize)
+                .find(|&u| state[u] == State::Pending && u != v);
+            let Some(u) = u else {
+                // Unreachable while indeg is kept exact; stop the walk
+                // rather than loop.
+                break path.len() - 1;
+            };
+            if stamp[u] == walk_id {
+                break path.iter().position(|&p| p as usize == u).unwrap_or(0);
+            }
+            v = u;
+        };
+        let victim = path[cycle_start..]
+            .iter()
+            .map(|&c| c as usize)
+            .max_by_key(|&c| {
+                let degree = indeg[c] as usize
+                    + succ[c]
+                        .iter()
+                        .filter(|&&b| b != NONE && state[b as usize] == State::Pending)
+                        .count();
+                let is_xor = matches!(ops[ord[c]].op, BlockOp::Xor { .. });
+                (degree, is_xor, Reverse(c))
+            })
+            .unwrap_or(scan);
+        state[victim] = State::Removed;
+        done += 1;
+        converted += 1;
+        release(victim, &mut indeg, &mut heap, &state);
+    }
+    for (node, s) in state.iter().enumerate() {
+        if *s == State::Removed {
+            ops[ord[node]].op = BlockOp::Replace;
+        }
+    }
+    MergeOrder {
+        sequence,
+        converted,
+    }
+}
+
+/// Check `sequence` against `ops` with AOSP's op-by-op rule: every
+/// COPY/XOR op appears exactly once, and none reads a block written by an
+/// op earlier in the order. REPLACE/ZERO ops are implicitly after them.
+pub fn verify_order(ops: &[PlannedOp], sequence: &[u64]) -> Result<(), String> {
+    let find = |block: u64| ops.binary_search_by_key(&block, |o| o.dst).ok();
+    let ordered = ops
+        .iter()
+        .filter(|o| matches!(o.op, BlockOp::Copy { .. } | BlockOp::Xor { .. }))
+        .count();
+    if ordered != sequence.len() {
+        return Err(format!(
+            "{} ordered ops but {} sequence entries",
+            ordered,
+            sequence.len()
+        ));
+    }
+    let mut written = vec![false; ops.len()];
+    for (pos, &block) in sequence.iter().enumerate() {
+        let i = find(block).ok_or_else(|| format!("position {pos}: block {block} has no op"))?;
+        if !matches!(ops[i].op, BlockOp::Copy { .. } | BlockOp::Xor { .. }) {
+            return Err(format!(
+                "position {pos}: block {block} is not a COPY/XOR op"
+            ));
+        }
+        if written[i] {
+            return Err(format!("position {pos}: block {block} appears twice"));
+        }
+        for s in source_blocks(&ops[i].op) {
+            if s != block && find(s).is_some_and(|j| written[j]) {
+                return Err(format!(
+                    "position {pos}: op for block {block} reads block {s}, already overwritten"
+                ));
+            }
+        }
+        written[i] = true;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn copy(dst: u64, src: u64) -> PlannedOp {
+        PlannedOp {
+            dst,
+            op: BlockOp::Copy { src_block: src },
+        }
+    }
+
+    #[test]
+    fn shift_up_is_ordered_descending() {
+        // new[i] = old[i-1] for i in 1..=4: each op must run before the op
+        // that overwrites its source, so from the top down.
+        let mut ops: Vec<_> = (1..=4).map(|i| copy(i, i - 1)).collect();
+        let r = order_merge(&mut ops);
+        assert_eq!(r.sequence, vec![4, 3, 2, 1]);
+        assert_eq!(r.converted, 0);
+        verify_order(&ops, &r.sequence).unwrap();
+    }
+
+    #[test]
+    fn shift_down_is_ordered_ascending() {
+        let mut ops: Vec<_> = (0..4).map(|i| copy(i, i + 1)).collect();
+        let r = order_merge(&mut ops);
+        assert_eq!(r.sequence, vec![0, 1, 2, 3]);
+        verify_order(&ops, &r.sequence).unwrap();
+    }
+
+    #[test]
+    fn swap_breaks_one_op_per_cycle() {
+        // Blocks 0..3 and 10..13 swapped: three 2-cycles.
+        let mut ops = Vec::new();
+        for i in 0..3 {
+            ops.push(copy(i, 10 + i));
+        }
+        for i in 0..3 {
+            ops.push(copy(10 + i, i));
+        }
+        let r = order_merge(&mut ops);
+        assert_eq!(r.converted, 3);
+        assert_eq!(r.sequence.len(), 3);
+        verify_order(&ops, &r.sequence).unwrap();
+    }
+
+    #[test]
+    fn rotation_cycle_converts_one() {
+        // 0 <- 1 <- 2 <- 3 <- 0: one cycle of four.
+        let mut ops: Vec<_> = (0..4).map(|i| copy(i, (i + 1) % 4)).collect();
+        let r = order_merge(&mut ops);
+        assert_eq!(r.converted, 1);
+        verify_order(&ops, &r.sequence).unwrap();
+    }
+
+    #[test]
+    fn unaligned_xor_reads_two_blocks() {
+        // XOR for block 5 reads blocks 6 and 7; COPY 7 <- 9 must wait.
+        let mut ops = vec![
+            PlannedOp {
+                dst: 5,
+                op: BlockOp::Xor {
+                    src_offset: 6 * 4096 + 100,
+                },
+            },
+            copy(7, 9),
+        ];
+        let r = order_merge(&mut ops);
+        assert_eq!(r.sequence, vec![5, 7]);
+        assert!(verify_order(&ops, &[7, 5]).is_err());
+    }
+}

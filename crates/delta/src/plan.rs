@@ -1,0 +1,409 @@
+//! Op selection: one decision per 4 KiB block of NEW.
+//!
+//! NEW is streamed in fixed chunks of [`SCAN_CHUNK_BLOCKS`] blocks, planned in
+//! parallel and concatenated in order. Everything a decision looks at — the
+//! block, the OLD index, OLD regions read on demand, and a "continuation"
+//! hint carried from the previous block *of the same chunk* — is independent
+//! of scheduling, so the plan is identical for any thread count.
+//!
+//! Per block, first match wins:
+//! 1. same bytes as the OLD block at the same offset: no op;
+//! 2. all zero: ZERO;
+//! 3. identical to an OLD block (hash index, bytes compared): COPY, preferring
+//!    the block that continues the previous match;
+//! 4. XOR candidates — the region continuing the previous match, the OLD
+//!    offsets voted for by the block's anchors (top [`MAX_VOTED`]), and the
+//!    same-offset block — are scored by equal bytes; the best one becomes an
+//!    XOR when its lz4-compressed difference is at most
+//!    `xor_max_percent`% of the lz4-compressed block;
+//! 5. otherwise REPLACE.
+
+use rayon::prelude::*;
+
+use crate::error::{DeltaError, Result};
+use crate::image::BlockImage;
+use crate::index::{GEAR_WINDOW, OldIndex, SCAN_CHUNK_BLOCKS, anchors, block_hash, is_zero};
+use crate::order::{MergeOrder, order_merge};
+use crate::{BLOCK_SIZE, Progress};
+
+/// Default number of voted anchor offsets evaluated per block.
+pub const MAX_VOTED: usize = 2;
+/// COPY candidates with an equal hash whose bytes are compared.
+const MAX_COPY_PROBES: usize = 8;
+/// A candidate region sharing fewer equal bytes than this is not
+/// compressed for comparison: its XOR cannot beat REPLACE by a clear margin.
+const MIN_EQUAL_BYTES: usize = 1024;
+
+/// What a NEW block becomes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BlockOp {
+    /// Copy of OLD block `src_block`.
+    Copy { src_block: u64 },
+    /// Stored as NEW ⊕ OLD[src_offset .. src_offset + 4096].
+    Xor { src_offset: u64 },
+    /// All zeros.
+    Zero,
+    /// Stored (compressed) data.
+    Replace,
+}
+
+/// The op for one NEW block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PlannedOp {
+    pub dst: u64,
+    pub op: BlockOp,
+}
+
+/// Tuning of op selection.
+#[derive(Clone, Debug)]
+pub struct PlanOptions {
+    /// Consider XOR ops (`--no-xor` turns them off: COPY/ZERO/REPLACE only).
+    pub xor: bool,
+    /// Worker threads; 0 = one per CPU. Does not change the result.
+    pub threads: usize,
+    /// Anchor density 2^-bits (0 disables anchors; XOR then only tries the
+    /// same offset and the continuation of the previous match).
+    pub anchor_bits: u32,
+    /// An XOR is chosen when lz4(xor) ≤ this percentage of lz4(block).
+    pub xor_max_percent: u32,
+    /// Anchor-voted OLD offsets evaluated per block.
+    pub voted_candidates: usize,
+}
+
+impl Default for PlanOptions {
+    fn default() -> Self {
+        PlanOptions {
+            xor: true,
+            threads: 0,
+            anchor_bits: 8,
+            xor_max_percent: 85,
+            voted_candidates: MAX_VOTED,
+        }
+    }
+}
+
+/// Blocks per kind.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Census {
+    pub unchanged: u64,
+    pub zero: u64,
+    pub copy: u64,
+    pub xor: u64,
+    pub replace: u64,
+    /// COPY/XOR ops turned into REPLACE to break merge-order cycles
+    /// (included in `replace`).
+    pub cycle_breaks: u64,
+}
+
+/// A complete plan: ops for every block that changes, and the merge order.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    pub old_size: u64,
+    pub new_size: u64,
+    /// Ascending by `dst`, at most one per block; unchanged blocks have none.
+    pub ops: Vec<PlannedOp>,
+    /// Destinations of the COPY/XOR ops in a merge order that is safe op by
+    /// op; REPLACE and ZERO follow it.
+    pub sequence: Vec<u64>,
+    pub census: Census,
+    /// Heap bytes of the OLD index while planning.
+    pub index_bytes: usize,
+}
+
+impl Plan {
+    pub fn new_blocks(&self) -> u64 {
+        self.new_size / BLOCK_SIZE as u64
+    }
+}
+
+/// Run `f` on a pool of `threads` workers (0 = rayon's default).
+pub(crate) fn with_pool<T: Send>(threads: usize, f: impl FnOnce() -> T + Send) -> Result<T> {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .map_err(|e| DeltaError::Threads {
+            threads,
+            msg: e.to_string(),
+        })?;
+    Ok(pool.install(f))
+}
+
+/// Plan the update from `old` to `new`.
+pub fn plan(
+    old: &dyn BlockImage,
+    new: &dyn BlockImage,
+    opts: &PlanOptions,
+    progress: &dyn Progress,
+) -> Result<Plan> {
+    with_pool(opts.threads, || plan_in_pool(old, new, opts, progress))?
+}
+
+fn plan_in_pool(
+    old: &dyn BlockImage,
+    new: &dyn BlockImage,
+    opts: &PlanOptions,
+    progress: &dyn Progress,
+) -> Result<Plan> {
+    let anchor_bits = if opts.xor {
+        opts.anchor_bits.min(32)
+    } else {
+        0
+    };
+    let index = OldIndex::build(old, anchor_bits, progress)?;
+    let n_new = new.size() / BLOCK_SIZE as u64;
+    let chunks = n_new.div_ceil(SCAN_CHUNK_BLOCKS);
+    progress.start("planning", n_new);
+    let parts: Vec<Vec<PlannedOp>> = (0..chunks)
+        .into_par_iter()
+        .map(|c| {
+            let r = ChunkPlanner {
+                old,
+                new,
+                index: &index,
+                opts,
+            }
+            .run(c);
+            progress.advance(SCAN_CHUNK_BLOCKS.min(n_new - c * SCAN_CHUNK_BLOCKS));
+            r
+        })
+        .collect::<Result<_>>()?;
+    progress.finish();
+    let mut ops: Vec<PlannedOp> = parts.into_iter().flatten().collect();
+    let MergeOrder {
+        sequence,
+        converted,
+    } = order_merge(&mut ops);
+    let mut census = Census {
+        cycle_breaks: converted,
+        ..Census::default()
+    };
+    for o in &ops {
+        match o.op {
+            BlockOp::Copy { .. } => census.copy += 1,
+            BlockOp::Xor { .. } => census.xor += 1,
+            BlockOp::Zero => census.zero += 1,
+            BlockOp::Replace => census.replace += 1,
+        }
+    }
+    census.unchanged = n_new - ops.len() as u64;
+    Ok(Plan {
+        old_size: old.size(),
+        new_size: new.size(),
+        ops,
+        sequence,
+        census,
+        index_bytes: index.memory_bytes(),
+    })
+}
+
+struct ChunkPlanner<'a> {
+    old: &'a dyn BlockImage,
+    new: &'a dyn BlockImage,
+    index: &'a OldIndex,
+    opts: &'a PlanOptions,
+}
+
+/// Scratch buffers of one chunk.
+struct Scratch {
+    region: Vec<u8>,
+    best: Vec<u8>,
+    xor: Vec<u8>,
+    lz4: Vec<u8>,
+    votes: Vec<(u64, u32)>,
+}
+
+impl ChunkPlanner<'_> {
+    fn run(&self, chunk: u64) -> Result<Vec<PlannedOp>> {
+        let bs = BLOCK_SIZE as u64;
+        let n_new = self.new.size() / bs;
+        let n_old = self.old.size() / bs;
+        let first = chunk * SCAN_CHUNK_BLOCKS;
+        let n = SCAN_CHUNK_BLOCKS.min(n_new - first) as usize;
+        // NEW with up to 64 bytes before the chunk, so anchors near the
+        // chunk start see the same window as in a continuous scan.
+        let pre = if first == 0 { 0 } else { GEAR_WINDOW };
+        let mut newbuf = vec![0u8; pre + n * BLOCK_SIZE];
+        self.new
+            .read_exact_at(&mut newbuf, first * bs - pre as u64)?;
+        let same_n = n_old.saturating_sub(first).min(n as u64) as usize;
+        let mut oldbuf = vec![0u8; same_n * BLOCK_SIZE];
+        if same_n > 0 {
+            self.old.read_exact_at(&mut oldbuf, first * bs)?;
+        }
+        let mut scratch = Scratch {
+            region: vec![0u8; BLOCK_SIZE],
+            best: vec![0u8; BLOCK_SIZE],
+            xor: vec![0u8; BLOCK_SIZE],
+            lz4: vec![0u8; lz4_flex::block::get_maximum_output_size(BLOCK_SIZE)],
+            votes: Vec::new(),
+        };
+        let mut out = Vec::new();
+        // OLD byte offset minus NEW byte offset of the last match, so the
+        // next block tries the region that continues it.
+        let mut delta: Option<i128> = None;
+        for k in 0..n {
+            let dst = first + k as u64;
+            let blk = &newbuf[pre + k * BLOCK_SIZE..pre + (k + 1) * BLOCK_SIZE];
+            if k < same_n && blk == &oldbuf[k * BLOCK_SIZE..(k + 1) * BLOCK_SIZE] {
+                delta = Some(0);
+                continue;
+            }
+            if is_zero(blk) {
+                out.push(PlannedOp {
+                    dst,
+                    op: BlockOp::Zero,
+                });
+                continue;
+            }
+            if let Some(src) = self.find_copy(dst, blk, delta, &mut scratch.region)? {
+                delta = Some(i128::from(src) * i128::from(bs) - i128::from(dst * bs));
+                out.push(PlannedOp {
+                    dst,
+                    op: BlockOp::Copy { src_block: src },
+                });
+                continue;
+            }
+            if self.opts.xor {
+                let window = &newbuf[(pre + k * BLOCK_SIZE).saturating_sub(GEAR_WINDOW)
+                    ..pre + (k + 1) * BLOCK_SIZE];
+                if let Some(src_offset) = self.find_xor(dst, blk, window, delta, &mut scratch)? {
+                    delta = Some(i128::from(src_offset) - i128::from(dst * bs));
+                    out.push(PlannedOp {
+                        dst,
+                        op: BlockOp::Xor { src_offset },
+                    });
+                    continue;
+                }
+            }
+            out.push(PlannedOp {
+                dst,
+                op: BlockOp::Replace,
+            });
+        }
+        Ok(out)
+    }
+
+    fn find_copy(
+        &self,
+        dst: u64,
+        blk: &[u8],
+        delta: Option<i128>,
+        buf: &mut [u8],
+    ) -> Result<Option<u64>> {
+        let bs = BLOCK_SIZE as i128;
+        let hash = block_hash(blk);
+        let preferred = delta
+            .filter(|d| d % bs == 0)
+            .map(|d| i128::from(dst) + d / bs)
+            .and_then(|b| u64::try_from(b).ok());
+        let mut probes = 0;
+        if let Some(p) = preferred
+            && self.index.blocks_with_hash(hash).any(|b| b == p)
+        {
+            probes += 1;
+            self.old.read_exact_at(buf, p * BLOCK_SIZE as u64)?;
+            if buf == blk {
+                return Ok(Some(p));
+            }
+        }
+        for b in self.index.blocks_with_hash(hash) {
+            if Some(b) == preferred {
+                continue;
+            }
+            if probes >= MAX_COPY_PROBES {
+                break;
+            }
+            probes += 1;
+            self.old.read_exact_at(buf, b * BLOCK_SIZE as u64)?;
+            if buf == blk {
+                return Ok(Some(b));
+            }
+        }
+        Ok(None)
+    }
+
+    /// `window` is the block preceded by up to 64 bytes of NEW.
+    fn find_xor(
+        &self,
+        dst: u64,
+        blk: &[u8],
+        window: &[u8],
+        delta: Option<i128>,
+        s: &mut Scratch,
+    ) -> Result<Option<u64>> {
+        let bs = BLOCK_SIZE as u64;
+        let old_size = self.old.size();
+        if old_size < bs {
+            return Ok(None);
+        }
+        let max_src = old_size - bs;
+        let here = dst * bs;
+        let mut cands: Vec<u64> = Vec::with_capacity(2 + self.opts.voted_candidates);
+        let push = |c: i128, cands: &mut Vec<u64>| {
+            if let Ok(c) = u64::try_from(c)
+                && c <= max_src
+                && !cands.contains(&c)
+            {
+                cands.push(c);
+            }
+        };
+        if let Some(d) = delta {
+            push(i128::from(here) + d, &mut cands);
+        }
+        if self.index.anchor_bits() > 0 {
+            s.votes.clear();
+            let warm = window.len() - BLOCK_SIZE;
+            let index = self.index;
+            let votes = &mut s.votes;
+            anchors(window, warm, self.index.anchor_bits(), |h, i| {
+                let rel = (i - warm) as u64; // anchor position inside the block
+                for p in index.anchor_positions(h) {
+                    if let Some(c) = p.checked_sub(rel).filter(|&c| c <= max_src) {
+                        match votes.iter_mut().find(|v| v.0 == c) {
+                            Some(v) => v.1 += 1,
+                            None => votes.push((c, 1)),
+                        }
+                    }
+                }
+            });
+            // Most votes first; ties by offset so the result is stable.
+            s.votes
+                .sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+            for &(c, _) in s.votes.iter().take(self.opts.voted_candidates) {
+                push(i128::from(c), &mut cands);
+            }
+        }
+        if here <= max_src {
+            push(i128::from(here), &mut cands);
+        }
+        let mut best: Option<(usize, u64)> = None;
+        for &c in &cands {
+            self.old.read_exact_at(&mut s.region, c)?;
+            let equal = blk.iter().zip(&s.region).filter(|(a, b)| a == b).count();
+            if best.is_none_or(|(e, _)| equal > e) {
+                best = Some((equal, c));
+                std::mem::swap(&mut s.best, &mut s.region);
+            }
+        }
+        let Some((equal, src)) = best else {
+            return Ok(None);
+        };
+        if equal < MIN_EQUAL_BYTES {
+            return Ok(None);
+        }
+        for ((x, a), b) in s.xor.iter_mut().zip(blk).zip(&s.best) {
+            *x = a ^ b;
+        }
+        let xor_len = lz4_len(&s.xor, &mut s.lz4);
+        let rep_len = lz4_len(blk, &mut s.lz4);
+        let xor_ok =
+            (xor_len as u64) * 100 <= (rep_len as u64) * u64::from(self.opts.xor_max_percent);
+        Ok(xor_ok.then_some(src))
+    }
+}
+
+fn lz4_len(data: &[u8], out: &mut [u8]) -> usize {
+    // The output buffer is sized by get_maximum_output_size, so this cannot
+    // fail; if it ever did, "incompressible" is the safe answer.
+    lz4_flex::block::compress_into(data, out).unwrap_or(data.len())
+}
