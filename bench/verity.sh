@@ -12,14 +12,18 @@
 # Also timed (no anchor on this machine): `vabc verity verify` (veritysetup
 # verify alongside) and `vabc avb add-hashtree-footer` on a copy of the file.
 #
-# TODO(serving): verified vs unverified serving throughput (target >= 0.85x)
-# needs `vabc serve --verity-hash FILE --root-hash HEX`, which does not exist
-# yet. When it does: serve the same image with and without --verity-hash,
-# read it sequentially and randomly (fio or dd on the device), and add a row
-# per mode with the ratio verified/unverified.
+# Serving: the same file is the base of an update whose new image differs in
+# SERVE_CHANGES scattered MiB (COW by `vabc diff`, lz4); `vabc serve` runs twice at
+# once, plain and with --verity-hash (tree of the new image by `vabc verity
+# format`), each exporting FUSE and NBD. Each run reads the whole device
+# sequentially from both, alternating: `dd bs=1M iflag=direct` on the FUSE file
+# and `nbdcopy` to null:. The base is read through the warm page cache
+# (--buffered), so serving is CPU-bound and hashing is not hidden behind disk
+# waits. Ratio: verified MB/s over unverified (target: >= 0.85).
 #
 # Usage: [VABC=binary] bench/verity.sh [-s SIZE_MIB] [-r RUNS] [-d WORKDIR]
-# Needs (Debian): cryptsetup-bin (veritysetup). Builds vabc in release mode.
+# Needs (Debian): cryptsetup-bin (veritysetup), libnbd-bin (nbdcopy), fuse3;
+# root for the FUSE mounts. Builds vabc in release mode.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -96,6 +100,64 @@ for i in $(seq "$RUNS"); do
 done
 rm -f "$WORK/avb.img"
 
+# --- verified vs unverified serving ---
+command -v nbdcopy >/dev/null || { echo "nbdcopy missing: apt-get install -y libnbd-bin" >&2; exit 1; }
+SERVE_CHANGES=${SERVE_CHANGES:-64}
+NEW=$WORK/serve-new.img
+if [ ! -f "$NEW" ] || [ "$NEW" -ot "$DATA" ]; then
+	cp "$DATA" "$NEW.tmp"
+	for k in $(seq 0 $((SERVE_CHANGES - 1))); do
+		dd if=/dev/urandom of="$NEW.tmp" bs=1M count=1 seek=$((k * SIZE_MIB / SERVE_CHANGES + 3)) conv=notrunc status=none
+	done
+	mv "$NEW.tmp" "$NEW"
+	rm -f "$WORK/serve.cow"
+fi
+[ -f "$WORK/serve.cow" ] || "$VABC" diff --compression lz4 "$DATA" "$NEW" -o "$WORK/serve.cow" >/dev/null
+SERVE_ROOT=$("$VABC" verity format --salt=$SALT "$NEW" "$WORK/serve.hash" | awk '/^Root hash:/{print $3}')
+rm -f "$NEW" # the served image is base + COW; the tree was made from the real file
+cat "$DATA" "$WORK/serve.cow" "$WORK/serve.hash" >/dev/null
+
+PIDS=()
+stop_daemons() {
+	for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
+	PIDS=()
+}
+trap stop_daemons EXIT
+start_daemon() { # NAME [extra args...]
+	local name=$1
+	shift
+	mkdir -p "$WORK/fuse-$name"
+	rm -f "$WORK/$name.sock"
+	"$VABC" serve --base "$DATA" --cow "$WORK/serve.cow" --buffered --fuse "$WORK/fuse-$name" \
+		--nbd "unix:$WORK/$name.sock" "$@" >"$WORK/serve-$name.log" 2>&1 &
+	PIDS+=($!)
+	for _ in $(seq 300); do grep -q ready "$WORK/serve-$name.log" && return; sleep 0.1; done
+	cat "$WORK/serve-$name.log" >&2
+	exit 1
+}
+start_daemon plain
+start_daemon verified --verity-hash "$WORK/serve.hash" --root-hash "$SERVE_ROOT"
+SERVE_BYTES=$(stat -c %s "$WORK/fuse-plain/disk.img")
+
+declare -A TS
+for i in $(seq "$RUNS"); do
+	for mode in plain verified; do
+		t=$(now)
+		dd if="$WORK/fuse-$mode/disk.img" of=/dev/null bs=1M iflag=direct status=none
+		TS[fuse.$mode]+=" $(elapsed "$t")"
+		t=$(now)
+		nbdcopy "nbd+unix:///?socket=$WORK/$mode.sock" null:
+		TS[nbd.$mode]+=" $(elapsed "$t")"
+	done
+	echo "run $i: serving fuse $(awk '{print $NF}' <<<"${TS[fuse.plain]}")/$(awk '{print $NF}' <<<"${TS[fuse.verified]}") s, nbd $(awk '{print $NF}' <<<"${TS[nbd.plain]}")/$(awk '{print $NF}' <<<"${TS[nbd.verified]}") s (plain/verified)" >&2
+done
+# A verified read must have failed nowhere.
+if grep -q "failed verification" "$WORK/serve-verified.log"; then
+	cat "$WORK/serve-verified.log" >&2
+	exit 1
+fi
+stop_daemons
+
 read -r MO BO <<<"$(stats "$T_OURS")"
 read -r MT BT <<<"$(stats "$T_THEIRS")"
 read -r MVO BVO <<<"$(stats "$T_VOURS")"
@@ -114,7 +176,16 @@ echo "| format | veritysetup format | $MT | $BT | $(mbps "$MT") | 1.00 |"
 echo "| verify | vabc verity verify | $MVO | $BVO | $(mbps "$MVO") | $(ratio "$MVT" "$MVO") |"
 echo "| verify | veritysetup verify | $MVT | $BVT | $(mbps "$MVT") | 1.00 |"
 echo "| avb footer | vabc avb add-hashtree-footer | $MA | $BA | $(mbps "$MA") | (avbtool not packaged: 2.24 s in notes) |"
-echo "| serving | TODO: needs vabc serve | | | | |"
+echo
+echo "| serving ($(awk -v b="$SERVE_BYTES" 'BEGIN {printf "%.0f", b / 1048576}') MiB, base + COW, seq read) | mode | median s | best s | MB/s (median) | ratio verified/unverified (median) |"
+echo "|---|---|---:|---:|---:|---:|"
+for fe in fuse nbd; do
+	read -r MP BP <<<"$(stats "${TS[$fe.plain]}")"
+	read -r MV BV <<<"$(stats "${TS[$fe.verified]}")"
+	[ $fe = fuse ] && how="FUSE, dd bs=1M iflag=direct" || how="NBD, nbdcopy to null:"
+	echo "| $how | unverified | $MP | $BP | $(awk -v b="$SERVE_BYTES" -v t="$MP" 'BEGIN {printf "%.0f", b / t / 1e6}') | 1.00 |"
+	echo "| $how | --verity-hash | $MV | $BV | $(awk -v b="$SERVE_BYTES" -v t="$MV" 'BEGIN {printf "%.0f", b / t / 1e6}') | $(ratio "$MP" "$MV") |"
+done
 echo
 echo "root hash $ROOT_OURS (identical hash files)"
 echo "reproduce: $CMDLINE"

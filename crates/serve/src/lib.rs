@@ -4,13 +4,15 @@
 //!   requests in flight, `FOPEN_DIRECT_IO` and 1 MiB requests;
 //! * [`mount`]: the whole stack on top of it: loop device in direct-I/O mode + `mount -o
 //!   ro` for ext4, or a file-backed EROFS mount with no loop device; torn down in reverse;
-//! * [`nbd`]: an NBD server (fixed newstyle, read-only, many connections).
+//! * [`nbd`]: an NBD server (fixed newstyle, read-only, many connections);
+//! * [`verity`]: dm-verity checking of every block served (EIO on a mismatch).
 //!
 //! A ublk frontend would sit next to these, on the same trait.
 
 pub mod fuse;
 pub mod mount;
 pub mod nbd;
+pub mod verity;
 mod workers;
 
 use std::io;

@@ -1,4 +1,6 @@
-//! `vabc merge` end to end on AOSP's vectors.
+//! `vabc merge` end to end on AOSP's vectors and a corpus pair.
+
+mod serve_common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -112,4 +114,44 @@ fn badseq_is_refused_and_nothing_changes() {
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("wrong base image"));
     assert_eq!(std::fs::read(&small).unwrap(), vec![7u8; 64 * 4096]);
+}
+
+/// A real update: the tiny corpus pair (ext4), made by `vabc diff`, merged
+/// into a copy of old.img with each engine, gives exactly new.img.
+#[test]
+fn merge_tiny_corpus_pair_with_both_engines() {
+    let old = serve_common::corpus_image("tiny", "old", "ext4");
+    let new = serve_common::corpus_image("tiny", "new", "ext4");
+    let dir = tempfile::tempdir().unwrap();
+    let cow = dir.path().join("tiny.cow");
+    let o = Command::new(env!("CARGO_BIN_EXE_vabc"))
+        .arg("diff")
+        .arg(&old)
+        .arg(&new)
+        .arg("-o")
+        .arg(&cow)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let want = sha(&new);
+    for engine in ["uring", "sync"] {
+        let base = dir.path().join("base.img");
+        let c = dir.path().join("m.cow");
+        std::fs::copy(&old, &base).unwrap();
+        std::fs::copy(&cow, &c).unwrap();
+        let o = vabc(&[
+            "merge",
+            "--base",
+            base.to_str().unwrap(),
+            "--cow",
+            c.to_str().unwrap(),
+            "--engine",
+            engine,
+            "--json",
+        ]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(v["complete"], true);
+        assert_eq!(sha(&base), want, "{engine}");
+    }
 }

@@ -10,7 +10,11 @@ use std::time::{Duration, Instant};
 use serve_common::*;
 
 fn merged(cow: &std::path::Path) -> (u64, u64) {
-    let o = Command::new(vabc()).args(["inspect", "--json"]).arg(cow).output().unwrap();
+    let o = Command::new(vabc())
+        .args(["inspect", "--json"])
+        .arg(cow)
+        .output()
+        .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     (
@@ -28,8 +32,19 @@ fn served_image_is_right_during_and_after_merge() {
     let base = t.join("base.img");
     let cow = t.join("update.cow");
     std::fs::copy(&old, &base).unwrap();
-    let o = Command::new(vabc()).arg("diff").arg(&old).arg(&new).arg("-o").arg(&cow).output().unwrap();
-    assert!(o.status.success(), "diff: {}", String::from_utf8_lossy(&o.stderr));
+    let o = Command::new(vabc())
+        .arg("diff")
+        .arg(&old)
+        .arg(&new)
+        .arg("-o")
+        .arg(&cow)
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "diff: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     let sock = t.join("nbd.sock");
     let addr = format!("unix:{}", sock.display());
     let server = Server::start(&[
@@ -43,8 +58,14 @@ fn served_image_is_right_during_and_after_merge() {
     ]);
     let uri = format!("nbd+unix:///?socket={}", sock.display());
     let compare = || {
-        let (ok, out) = run(Command::new("qemu-img").args(["compare", "-f", "raw", "-F", "raw"]).arg(&new).arg(&uri));
-        assert!(ok && out.contains("Images are identical"), "qemu-img compare during merge: {out}");
+        let (ok, out) = run(Command::new("qemu-img")
+            .args(["compare", "-f", "raw", "-F", "raw"])
+            .arg(&new)
+            .arg(&uri));
+        assert!(
+            ok && out.contains("Images are identical"),
+            "qemu-img compare during merge: {out}"
+        );
     };
     let deadline = Instant::now() + Duration::from_secs(300);
     let mut compares = 0;
@@ -55,15 +76,28 @@ fn served_image_is_right_during_and_after_merge() {
         if done == total {
             break;
         }
-        assert!(Instant::now() < deadline, "merge not finished: {done}/{total}");
+        assert!(
+            Instant::now() < deadline,
+            "merge not finished: {done}/{total}"
+        );
     }
     compare();
     assert!(server.stop().success());
     assert!(compares >= 1);
-    assert!(std::fs::read(&base).unwrap() == std::fs::read(&new).unwrap(), "base is not the new image after the merge");
+    assert!(
+        std::fs::read(&base).unwrap() == std::fs::read(&new).unwrap(),
+        "base is not the new image after the merge"
+    );
     // Serving again after the merge (base is new, COW fully merged) still
     // gives the new image.
-    let server = Server::start(&[os("--base"), base.as_os_str(), os("--cow"), cow.as_os_str(), os("--nbd"), os(&addr)]);
+    let server = Server::start(&[
+        os("--base"),
+        base.as_os_str(),
+        os("--cow"),
+        cow.as_os_str(),
+        os("--nbd"),
+        os(&addr),
+    ]);
     compare();
     assert!(server.stop().success());
 }

@@ -107,6 +107,17 @@ impl<S: ReadAt> BlockVerifier<S> {
         &self.layout
     }
 
+    /// Reads the top tree block and checks it against the root hash, so a
+    /// server can refuse to start on a wrong root hash or a damaged top level
+    /// instead of failing every read. No-op for a one-block device (no tree:
+    /// the root is the data block's own digest).
+    pub fn check_root(&self) -> Result<()> {
+        match self.layout.levels.len() {
+            0 => Ok(()),
+            n => self.tree_block(n - 1, 0).map(|_| ()),
+        }
+    }
+
     /// Checks that `data` (exactly one data block) is block `block` of the
     /// protected device. On `Err` the caller must not use the data; an error
     /// with [`Error::is_integrity_error`] is a hash mismatch (EIO).

@@ -66,6 +66,18 @@ pub struct Args {
     /// stays correct before, during and after each op's merge.
     #[arg(long)]
     merge: bool,
+    /// dm-verity hash file of the new image (as `vabc verity format` or
+    /// `veritysetup format` write it): every block served is checked against
+    /// it, and a block that fails is answered with EIO, never with its data.
+    #[arg(long, value_name = "FILE", requires = "root_hash")]
+    pub verity_hash: Option<PathBuf>,
+    /// Root hash of the tree in --verity-hash, hex.
+    #[arg(long, value_name = "HEX", requires = "verity_hash")]
+    pub root_hash: Option<String>,
+    /// Tree parameters for --verity-hash (taken from its superblock unless
+    /// --no-superblock).
+    #[command(flatten)]
+    pub verity: super::verity::TreeOpts,
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -122,6 +134,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     // must be served through its merge state: merged sources may be gone.
     let merge_job = MergeJob::prepare(&args, &mut engine)?;
     let size = engine.size();
+    if let Some(check) = open_verity(&args, size)? {
+        engine.set_verifier(check);
+    }
     let dev: Arc<dyn BlockDevice> = Arc::new(engine);
 
     let fuse_opts = FuseOptions {
@@ -355,4 +370,56 @@ impl MergeJob {
         self.cancel.store(true, Ordering::Relaxed);
         self.join()
     }
+}
+
+/// The verifier for `--verity-hash`, checked against the root hash before
+/// anything is served.
+fn open_verity(args: &Args, size: u64) -> anyhow::Result<Option<Arc<dyn engine::BlockVerifier>>> {
+    let Some(hashfile) = &args.verity_hash else {
+        if args.verity.any_given() {
+            bail!("verity tree options need --verity-hash FILE and --root-hash HEX");
+        }
+        return Ok(None);
+    };
+    let root_hex = args.root_hash.as_deref().unwrap_or_default().trim();
+    let root =
+        hex::decode(root_hex).with_context(|| format!("--root-hash {root_hex:?} is not hex"))?;
+    let file = std::fs::File::open(hashfile)
+        .with_context(|| format!("open verity hash file {}", hashfile.display()))?;
+    let hash_len = super::verity::device_or_file_len(&file, hashfile)?;
+    let data_name = PathBuf::from(format!("{} + {}", args.base.display(), args.cow.display()));
+    let params =
+        super::verity::resolve_params(&args.verity, hashfile, &file, hash_len, &data_name, size)?;
+    let tree_off = args.verity.tree_offset(&params);
+    let verifier = verity::BlockVerifier::new(file, hashfile, tree_off, params.clone(), &root)?
+        .with_data_name(&data_name);
+    let needed = tree_off + verifier.layout().tree_size();
+    if hash_len < needed {
+        return Err(verity::Error::Truncated {
+            path: hashfile.clone(),
+            what: format!(
+                "a {}-block hash tree at offset {tree_off}",
+                verifier.layout().hash_blocks
+            ),
+            needed,
+            actual: hash_len,
+        }
+        .into());
+    }
+    let check = serve::verity::VerityCheck::new(verifier, size)
+        .with_context(|| format!("cannot verify against {}", hashfile.display()))?;
+    println!(
+        "vabc serve: verifying every block against {} ({} data blocks of {}, {}, root hash {root_hex})",
+        hashfile.display(),
+        params.data_blocks,
+        params.data_block_size,
+        params.algorithm,
+    );
+    if check.protected_bytes() < size {
+        eprintln!(
+            "vabc serve: warning: the hash tree covers {} of {size} bytes; reads past it fail with EIO",
+            check.protected_bytes()
+        );
+    }
+    Ok(Some(Arc::new(check)))
 }

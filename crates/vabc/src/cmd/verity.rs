@@ -24,9 +24,10 @@ enum Sub {
     Verify(VerifyArgs),
 }
 
-/// Tree parameters shared by format and verify (veritysetup's option names).
-#[derive(clap::Args)]
-struct TreeOpts {
+/// Tree parameters shared by format, verify and `serve --verity-hash`
+/// (veritysetup's option names).
+#[derive(clap::Args, Debug)]
+pub struct TreeOpts {
     /// Hash algorithm: sha256 (default), sha1 or sha512.
     #[arg(long = "hash", value_name = "ALG")]
     hash: Option<String>,
@@ -107,7 +108,7 @@ fn parse_salt(s: &str) -> Result<Vec<u8>> {
 }
 
 /// Length of a regular file, or of a block device (whose metadata says 0).
-fn device_or_file_len(f: &File, path: &Path) -> Result<u64> {
+pub(crate) fn device_or_file_len(f: &File, path: &Path) -> Result<u64> {
     use std::io::Seek;
     let md = f
         .metadata()
@@ -122,6 +123,27 @@ fn device_or_file_len(f: &File, path: &Path) -> Result<u64> {
 }
 
 impl TreeOpts {
+    /// Whether any tree option differs from its default.
+    pub(crate) fn any_given(&self) -> bool {
+        self.hash.is_some()
+            || self.salt.is_some()
+            || self.data_block_size.is_some()
+            || self.hash_block_size.is_some()
+            || self.data_blocks.is_some()
+            || self.no_superblock
+            || self.hash_offset != 0
+            || self.format.is_some()
+    }
+
+    /// Byte offset of the tree itself in the hash file (past any superblock).
+    pub(crate) fn tree_offset(&self, params: &Params) -> u64 {
+        verity::tree_offset(
+            self.hash_offset,
+            !self.no_superblock,
+            params.hash_block_size,
+        )
+    }
+
     fn check_offset(&self) -> Result<()> {
         if !self.hash_offset.is_multiple_of(512) {
             bail!(
@@ -165,6 +187,77 @@ impl TreeOpts {
         }
         Ok(p)
     }
+}
+
+/// What [`format_default`] wrote.
+pub(crate) struct Formatted {
+    pub params: Params,
+    pub root: Vec<u8>,
+    pub uuid: [u8; 16],
+    pub hash_blocks: u64,
+}
+
+/// `vabc verity format DATA HASHFILE [--salt SALT]` with every other option at
+/// its default (sha256, 4096/4096, superblock at offset 0, random UUID; random
+/// 32-byte salt unless `salt` is given). HASHFILE is written to a temporary
+/// file and renamed into place.
+pub(crate) fn format_default(
+    data: &Path,
+    hashfile: &Path,
+    salt: Option<&str>,
+) -> Result<Formatted> {
+    let data_file = File::open(data).with_context(|| format!("open data {}", data.display()))?;
+    let data_len = device_or_file_len(&data_file, data)?;
+    let opts = TreeOpts {
+        hash: None,
+        salt: salt.map(str::to_string),
+        data_block_size: None,
+        hash_block_size: None,
+        data_blocks: None,
+        no_superblock: false,
+        hash_offset: 0,
+        format: None,
+    };
+    let params = opts.params(data_len, || Ok(verity::random_bytes(32)?))?;
+    let layout = params.layout()?;
+    let uuid = verity::random_uuid()?;
+    let tree_off = opts.tree_offset(&params);
+    let dir = match hashfile.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let tmp = tempfile::Builder::new()
+        .prefix(".vabc-verity.")
+        .suffix(".tmp")
+        .tempfile_in(&dir)
+        .with_context(|| format!("create a temporary file in {}", dir.display()))?;
+    let sb = Superblock {
+        params: params.clone(),
+        uuid,
+    };
+    let mut area = sb.encode().to_vec();
+    area.resize(tree_off as usize, 0);
+    std::os::unix::fs::FileExt::write_all_at(tmp.as_file(), &area, 0)
+        .with_context(|| format!("write superblock to {}", tmp.path().display()))?;
+    let input = Input {
+        reader: &data_file,
+        name: data,
+        len: data_len,
+    };
+    let mut w = tmp.as_file();
+    let root = verity::build_tree(input, &params, &mut w, tmp.path(), tree_off, None)?;
+    tmp.as_file()
+        .set_len(tree_off + layout.tree_size())
+        .context("size the temporary hash file")?;
+    tmp.as_file().sync_all().context("sync temporary file")?;
+    tmp.persist(hashfile)
+        .with_context(|| format!("rename temporary file to {}", hashfile.display()))?;
+    Ok(Formatted {
+        params,
+        root,
+        uuid,
+        hash_blocks: layout.hash_blocks,
+    })
 }
 
 fn format(a: FormatArgs) -> Result<ExitCode> {
@@ -357,18 +450,18 @@ fn format(a: FormatArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn verify(a: VerifyArgs) -> Result<ExitCode> {
-    let o = &a.opts;
+/// The tree parameters for checking `data` (of `data_len` bytes) against the
+/// hash area of `hashfile` at `o.hash_offset`: from its superblock (options given
+/// alongside must agree with it) or, with `--no-superblock`, from the options.
+pub(crate) fn resolve_params(
+    o: &TreeOpts,
+    hashfile: &Path,
+    hash_file: &File,
+    hash_len: u64,
+    data: &Path,
+    data_len: u64,
+) -> Result<Params> {
     o.check_offset()?;
-    let data_file =
-        File::open(&a.data).with_context(|| format!("open data {}", a.data.display()))?;
-    let data_len = device_or_file_len(&data_file, &a.data)?;
-    let hash_file =
-        File::open(&a.hashfile).with_context(|| format!("open {}", a.hashfile.display()))?;
-    let hash_len = device_or_file_len(&hash_file, &a.hashfile)?;
-    let root = hex::decode(a.root_hash.trim())
-        .with_context(|| format!("root hash {:?} is not hex", a.root_hash))?;
-
     let params = if o.no_superblock {
         if o.salt.is_none() {
             bail!("--salt is required with --no-superblock (\"-\" for none)");
@@ -378,17 +471,16 @@ fn verify(a: VerifyArgs) -> Result<ExitCode> {
         let mut b = vec![0u8; SUPERBLOCK_SIZE as usize];
         if hash_len < o.hash_offset + SUPERBLOCK_SIZE {
             return Err(verity::Error::Truncated {
-                path: a.hashfile.clone(),
+                path: hashfile.to_path_buf(),
                 what: format!("a superblock at offset {}", o.hash_offset),
                 needed: o.hash_offset + SUPERBLOCK_SIZE,
                 actual: hash_len,
             }
             .into());
         }
-        std::os::unix::fs::FileExt::read_exact_at(&hash_file, &mut b, o.hash_offset).with_context(
-            || format!("read {} at offset {}", a.hashfile.display(), o.hash_offset),
-        )?;
-        let sb = Superblock::decode(&b, &a.hashfile, o.hash_offset)?;
+        std::os::unix::fs::FileExt::read_exact_at(hash_file, &mut b, o.hash_offset)
+            .with_context(|| format!("read {} at offset {}", hashfile.display(), o.hash_offset))?;
+        let sb = Superblock::decode(&b, hashfile, o.hash_offset)?;
         let p = sb.params;
         // Options given alongside a superblock must agree with it.
         let conflicts = [
@@ -418,13 +510,13 @@ fn verify(a: VerifyArgs) -> Result<ExitCode> {
         if let Some((opt, _)) = conflicts.iter().find(|(_, c)| *c == Some(true)) {
             bail!(
                 "{opt} differs from the superblock of {} at offset {}",
-                a.hashfile.display(),
+                hashfile.display(),
                 o.hash_offset
             );
         }
         if data_len / u64::from(p.data_block_size) < p.data_blocks {
             return Err(verity::Error::Truncated {
-                path: a.data.clone(),
+                path: data.to_path_buf(),
                 what: format!("{} data blocks of {}", p.data_blocks, p.data_block_size),
                 needed: p.data_size(),
                 actual: data_len,
@@ -433,6 +525,22 @@ fn verify(a: VerifyArgs) -> Result<ExitCode> {
         }
         p
     };
+    Ok(params)
+}
+
+fn verify(a: VerifyArgs) -> Result<ExitCode> {
+    let o = &a.opts;
+    o.check_offset()?;
+    let data_file =
+        File::open(&a.data).with_context(|| format!("open data {}", a.data.display()))?;
+    let data_len = device_or_file_len(&data_file, &a.data)?;
+    let hash_file =
+        File::open(&a.hashfile).with_context(|| format!("open {}", a.hashfile.display()))?;
+    let hash_len = device_or_file_len(&hash_file, &a.hashfile)?;
+    let root = hex::decode(a.root_hash.trim())
+        .with_context(|| format!("root hash {:?} is not hex", a.root_hash))?;
+
+    let params = resolve_params(o, &a.hashfile, &hash_file, hash_len, &a.data, data_len)?;
     let tree_off = verity::tree_offset(o.hash_offset, !o.no_superblock, params.hash_block_size);
     let data = Input {
         reader: &data_file,
