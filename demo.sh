@@ -1,28 +1,62 @@
 #!/usr/bin/env bash
-# Install everything, build vabc, and walk through an update end to end on a
-# small generated image pair: write a COW with the library, inspect it,
-# apply it (base + COW -> new image) and check the result.
+# Install everything, build vabc, and walk an OTA update end to end on real
+# data: the `tiny` corpus pair (pillow 10.2.0 -> 10.3.0 in an ext4 image).
+#   1. create the update (vabc diff, with a dm-verity tree of the new image)
+#   2. inspect it
+#   3. apply it offline and compare with the new image
+#   4. serve base + COW: mount the new filesystem, verified, before any merge
+#   5. merge it in place: the old image becomes the new one (sha256)
 set -euo pipefail
 cd "$(dirname "$0")"
+ROOT=$(pwd)
 scripts/install-deps.sh
 cargo build --release -q -p vabc
-cargo build --release -q -p cow --example make_bench_cow
-VABC=target/release/vabc
+VABC=$ROOT/target/release/vabc
 WORK=${DEMO_DIR:-${TMPDIR:-/tmp}/vabc-demo}
-rm -rf "$WORK"
+CORPUS=${VABC_CORPUS:-${TMPDIR:-/tmp}/corpus}
 mkdir -p "$WORK"
-
 step() { printf '\n== %s\n' "$*"; }
 
-step "1. Generate an old image and a new one (16 MiB), and a COW (v3, lz4, 64 KiB units) between them"
-target/release/examples/make_bench_cow "$WORK" 16 lz4
+step "0. Build the tiny corpus pair (real ext4 images from pinned wheels; cached in $CORPUS)"
+[ -e "$CORPUS/tiny/new.ext4.img" ] || bash "$ROOT/../shared/corpus/make-corpus.sh" -p tiny -o "$CORPUS"
+OLD=$CORPUS/tiny/old.ext4.img
+NEW=$CORPUS/tiny/new.ext4.img
+ls -l "$OLD" "$NEW"
 
-step "2. Inspect the COW"
-$VABC inspect "$WORK/update-lz4.cow" --verify-merge
+step "1. Create the update: vabc diff OLD NEW -o update.cow --verity"
+$VABC diff "$OLD" "$NEW" -o "$WORK/update.cow" --verity --json >"$WORK/diff.json"
+python3 - "$WORK/diff.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+print(json.dumps({k: d[k] for k in d if k not in ("verity",)}, indent=1)[:1500])
+print("verity root hash:", d["verity"]["root_hash"])
+PY
+ROOT_HASH=$(python3 -c "import json; print(json.load(open('$WORK/diff.json'))['verity']['root_hash'])")
 
-step "3. Apply it: the snapshot view (old + COW) written to new.img"
-$VABC apply --base "$WORK/base.img" --cow "$WORK/update-lz4.cow" -o "$WORK/applied.img"
+step "2. Inspect it"
+$VABC inspect "$WORK/update.cow" --verify-merge
 
-step "4. Compare with the expected new image"
-sha256sum "$WORK/new.img" "$WORK/applied.img"
-cmp "$WORK/new.img" "$WORK/applied.img" && echo "identical: the update reproduces the new image"
+step "3. Apply it offline (old + COW -> new) and compare"
+$VABC apply --base "$OLD" --cow "$WORK/update.cow" -o "$WORK/applied.img"
+cmp "$WORK/applied.img" "$NEW" && echo "applied image == new image"
+
+step "4. Serve old + COW as a block device and mount the NEW filesystem from it (every block verified)"
+cp "$OLD" "$WORK/device.img"
+mkdir -p "$WORK/mnt"
+$VABC serve --base "$WORK/device.img" --cow "$WORK/update.cow" --mount "$WORK/mnt" \
+	--verity-hash "$WORK/update.cow.verity" --root-hash "$ROOT_HASH" >"$WORK/serve.log" 2>&1 &
+SERVE=$!
+for _ in $(seq 100); do grep -q ready "$WORK/serve.log" 2>/dev/null && break; sleep 0.1; done
+cat "$WORK/serve.log"
+echo "--- build.prop of the mounted (new) system:"
+cat "$WORK/mnt/build.prop"
+ls "$WORK/mnt/lib/python3.11/site-packages" | head
+kill -TERM $SERVE
+wait $SERVE
+grep -q " $WORK/mnt " /proc/mounts && { echo "still mounted!"; exit 1; }
+echo "unmounted; device.img is still the old image: $(cmp -s "$WORK/device.img" "$OLD" && echo yes)"
+
+step "5. Merge in place (io_uring, crash-safe): the old image becomes the new one"
+$VABC merge --base "$WORK/device.img" --cow "$WORK/update.cow"
+sha256sum "$WORK/device.img" "$NEW"
+cmp "$WORK/device.img" "$NEW" && echo "merged device == new image"
