@@ -614,21 +614,49 @@ impl CowEngine {
 
     fn verify(&self, verifier: &dyn BlockVerifier, buf: &[u8], offset: u64) -> Result<()> {
         let end = offset + buf.len() as u64;
-        let mut block = offset / BS;
+        // Whole blocks inside the request are hashed where they are, in parallel on the
+        // decode pool for large requests (hashing is the cost of verified serving); blocks
+        // the request only partly covers are read whole, then checked.
+        let first_full = offset.div_ceil(BS);
+        let end_full = (end / BS).max(first_full);
         let mut tmp = [0u8; BLOCK_SIZE];
-        while block * BS < end {
+        let mut partial = |block: u64| -> Result<()> {
             let bstart = block * BS;
-            let data: &[u8] = if bstart >= offset && bstart + BS <= end {
-                &buf[(bstart - offset) as usize..(bstart - offset + BS) as usize]
-            } else {
-                let n = (self.size - bstart).min(BS) as usize;
-                self.read_unverified(&mut tmp[..n], bstart)?;
-                &tmp[..n]
-            };
+            let n = (self.size - bstart).min(BS) as usize;
+            self.read_unverified(&mut tmp[..n], bstart)?;
             verifier
-                .verify(block, data)
-                .map_err(|msg| EngineError::Verify { block, msg })?;
-            block += 1;
+                .verify(block, &tmp[..n])
+                .map_err(|msg| EngineError::Verify { block, msg })
+        };
+        if !offset.is_multiple_of(BS) {
+            partial(offset / BS)?;
+        }
+        let whole: &[u8] = if first_full < end_full {
+            &buf[(first_full * BS - offset) as usize..(end_full * BS - offset) as usize]
+        } else {
+            &[]
+        };
+        let check = |(i, d): (usize, &[u8])| {
+            let block = first_full + i as u64;
+            verifier
+                .verify(block, d)
+                .map_err(|msg| EngineError::Verify { block, msg })
+        };
+        match &self.pool {
+            Some(pool) if whole.len() >= 16 * BLOCK_SIZE => {
+                use rayon::prelude::*;
+                pool.install(|| {
+                    whole
+                        .par_chunks(BLOCK_SIZE)
+                        .enumerate()
+                        .with_min_len(8)
+                        .try_for_each(check)
+                })?;
+            }
+            _ => whole.chunks(BLOCK_SIZE).enumerate().try_for_each(check)?,
+        }
+        if !end.is_multiple_of(BS) && end_full * BS < end {
+            partial(end / BS)?;
         }
         Ok(())
     }

@@ -350,3 +350,27 @@ fn file_device_reads_and_refuses_writes() {
     let err = FileDevice::open(Path::new("/nonexistent/base.img"), true).unwrap_err();
     assert!(err.to_string().contains("/nonexistent/base.img"));
 }
+
+/// Large requests are verified on the decode pool: every block exactly once,
+/// and one bad block anywhere fails the whole read.
+#[test]
+fn verifier_on_large_unaligned_requests() {
+    let mut e = open("v3_lz4_65536.cow", &CowEngineOptions::default());
+    let v = Arc::new(Counting(AtomicU64::new(0), None));
+    e.set_verifier(v.clone());
+    let mut buf = vec![0u8; 1 << 20];
+    e.read_at(&mut buf, 4096).unwrap();
+    assert_eq!(v.0.load(Ordering::Relaxed), 256);
+    let want = std::fs::read(vectors().join("expected.img")).unwrap();
+    assert!(buf[..] == want[4096..4096 + (1 << 20)]);
+    // Unaligned at both ends: blocks 1..=256, the first and last only partly.
+    e.read_at(&mut buf[..(1 << 20) - 100], 4096 + 50).unwrap();
+    assert_eq!(v.0.load(Ordering::Relaxed), 256 + 256);
+    let mut e = open("v3_lz4_65536.cow", &CowEngineOptions::default());
+    e.set_verifier(Arc::new(Counting(AtomicU64::new(0), Some(200))));
+    let err = e.read_at(&mut buf, 4096).unwrap_err();
+    assert!(
+        matches!(err, EngineError::Verify { block: 200, .. }),
+        "{err}"
+    );
+}
