@@ -387,7 +387,7 @@ impl CowWriter {
         {
             // The label took the last free slot: the original writer closed
             // the cluster right after it, and so do we.
-            w.close_cluster_v2()?;
+            w.close_cluster_v2(0)?;
         }
         if let State::V3(s) = &w.state {
             // Clear the records that followed the label, then commit the
@@ -800,20 +800,21 @@ impl CowWriter {
         }
         s.slots_used += 1;
         if s.slots_used == s.n - 1 {
-            self.close_cluster_v2()?;
+            // One slot left: it takes the CLUSTER op.
+            self.close_cluster_v2(0)?;
         } else if s.data.len() >= FLUSH_BYTES {
             self.flush_v2(false)?;
         }
         Ok(())
     }
 
-    /// One slot left: close the cluster with a CLUSTER op that skips to the
-    /// next one, just past this cluster's data.
-    fn close_cluster_v2(&mut self) -> Result<()> {
+    /// Close the cluster with a CLUSTER op that skips the `unused` slots
+    /// after it and this cluster's data, to where the next cluster starts.
+    fn close_cluster_v2(&mut self, unused: u64) -> Result<()> {
         let State::V2(s) = &mut self.state else {
             unreachable!("v2 state")
         };
-        let skip = s.data_flushed + s.data.len() as u64;
+        let skip = unused * u64::from(OP_SIZE_V2) + s.data_flushed + s.data.len() as u64;
         RecordV2 {
             op_type: op_type::CLUSTER,
             source: skip,
@@ -875,16 +876,7 @@ impl CowWriter {
         if s.n > 0 && s.data_flushed + s.data.len() as u64 > 0 {
             // The footer must start a fresh cluster after this one's data.
             let unused = s.n - s.slots_used - 1;
-            let skip = unused * rec_size + s.data_flushed + s.data.len() as u64;
-            RecordV2 {
-                op_type: op_type::CLUSTER,
-                source: skip,
-                ..Default::default()
-            }
-            .encode_into(&mut s.records);
-            s.records_total += 1;
-            s.slots_used += 1;
-            self.flush_v2(true)?;
+            self.close_cluster_v2(unused)?;
         }
         let State::V2(s) = &mut self.state else {
             unreachable!("v2 state")

@@ -186,6 +186,28 @@ impl UringIo {
         }
     }
 
+    /// A linked chain of writes, optionally ending in a linked fdatasync.
+    fn writes(&mut self, dev: Dev, reqs: &[(u64, &[u8])], sync: bool) -> io::Result<()> {
+        let fd = self.fd(dev);
+        let mut sqes = Vec::with_capacity(reqs.len());
+        for (off, buf) in reqs {
+            // The kernel only reads from this memory for a write.
+            Self::split(
+                fd,
+                *off,
+                buf.as_ptr() as *mut u8,
+                buf.len(),
+                true,
+                &mut sqes,
+            );
+        }
+        self.count(&sqes);
+        if sync {
+            self.stats.fsyncs += 1;
+        }
+        self.run(&sqes, true, sync.then_some(fd))
+    }
+
     fn count(&mut self, sqes: &[Sqe]) {
         for s in sqes {
             if s.write {
@@ -211,21 +233,7 @@ impl MergeIo for UringIo {
     }
 
     fn write_many(&mut self, dev: Dev, reqs: &[(u64, &[u8])]) -> io::Result<()> {
-        let fd = self.fd(dev);
-        let mut sqes = Vec::with_capacity(reqs.len());
-        for (off, buf) in reqs {
-            // The kernel only reads from this memory for a write.
-            Self::split(
-                fd,
-                *off,
-                buf.as_ptr() as *mut u8,
-                buf.len(),
-                true,
-                &mut sqes,
-            );
-        }
-        self.count(&sqes);
-        self.run(&sqes, true, None)
+        self.writes(dev, reqs, false)
     }
 
     fn sync(&mut self, dev: Dev) -> io::Result<()> {
@@ -236,21 +244,7 @@ impl MergeIo for UringIo {
 
     /// Writes in order, then a linked fdatasync: one submission.
     fn write_and_sync(&mut self, dev: Dev, reqs: &[(u64, &[u8])]) -> io::Result<()> {
-        let fd = self.fd(dev);
-        let mut sqes = Vec::with_capacity(reqs.len());
-        for (off, buf) in reqs {
-            Self::split(
-                fd,
-                *off,
-                buf.as_ptr() as *mut u8,
-                buf.len(),
-                true,
-                &mut sqes,
-            );
-        }
-        self.count(&sqes);
-        self.stats.fsyncs += 1;
-        self.run(&sqes, true, Some(fd))
+        self.writes(dev, reqs, true)
     }
 
     fn stats(&self) -> IoStats {
