@@ -31,7 +31,7 @@ for pair in $PAIRS; do
 	out=$(VABC_SOAK_OLD="$CORPUS/$pair/old.ext4.img" VABC_SOAK_NEW="$CORPUS/$pair/new.ext4.img" \
 		VABC_SOAK_COW="$WORK/$pair.cow" VABC_SOAK_POINTS="$POINTS" \
 		cargo test --release -q -p merge --test crash_soak -- --ignored --nocapture 2>&1) || { echo "$out"; exit 1; }
-	line=$(echo "$out" | grep 'crash-soak:')
+	line=$(echo "$out" | grep 'crash points over')
 	echo "$pair ext4: $line ($(($(date +%s) - start)) s)"
 	n=$(echo "$line" | sed -E 's/.*crash-soak: ([0-9]+) crash points.*/\1/')
 	total=$((total + n))

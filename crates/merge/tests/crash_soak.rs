@@ -45,6 +45,9 @@ fn crash_soak() {
             };
             crash_and_resume(&sc, k, how, resume, dir.path());
             done += 1;
+            if done % 100 == 0 {
+                eprintln!("crash-soak: {done} points...");
+            }
         }
         k += step;
     }
