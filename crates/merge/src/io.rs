@@ -27,10 +27,10 @@ pub struct IoStats {
     pub bytes_written: u64,
 }
 
-/// Batched I/O primitives. A batch may be executed in any way as long as:
-/// reads complete before `read_many` returns; writes of one `write_many`
-/// land in order (a later one may overwrite an earlier one) before it
-/// returns; `sync` makes every completed write of that device durable.
+/// Batched I/O primitives. A batch may be executed in any way and order as
+/// long as: reads complete before `read_many` returns; the writes of one
+/// `write_many` (which never overlap) complete before it returns; `sync`
+/// makes every completed write of that device durable.
 pub trait MergeIo {
     fn read_many(&mut self, dev: Dev, reqs: &mut [(u64, &mut [u8])]) -> io::Result<()>;
     fn write_many(&mut self, dev: Dev, reqs: &[(u64, &[u8])]) -> io::Result<()>;

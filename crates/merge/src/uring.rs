@@ -1,5 +1,5 @@
 //! io_uring engine: a window's reads go out as one batch, its writes as one
-//! linked chain (so they land in order) ending in a linked fdatasync, with
+//! batch followed by one fdatasync, with
 //! the window buffer registered once so data moves with READ/WRITE_FIXED.
 //! One `io_uring_enter` per batch instead of a syscall per block.
 
@@ -15,6 +15,9 @@ use crate::io::{Dev, IoStats, MergeIo};
 /// Largest single read or write submitted (keeps SQEs independent of the
 /// caller's run lengths).
 const MAX_IO: usize = 1 << 20;
+
+/// How long a ring may make no progress before it counts as stalled.
+const STALL: std::time::Duration = std::time::Duration::from_secs(60);
 
 pub struct UringIo {
     ring: IoUring,
@@ -79,16 +82,15 @@ impl UringIo {
     }
 
     /// Submit `sqes` (and optionally a final fsync of `sync_fd`) in groups
-    /// that fit the ring, waiting for each group. `linked` chains each group
-    /// so its members execute in order.
-    fn run(&mut self, sqes: &[Sqe], linked: bool, sync_fd: Option<i32>) -> io::Result<()> {
+    /// that fit the ring, waiting for each group.
+    fn run(&mut self, sqes: &[Sqe], sync_fd: Option<i32>) -> io::Result<()> {
         let total = sqes.len() + usize::from(sync_fd.is_some());
         let mut next = 0;
         while next < total {
             let group_end = (next + self.depth).min(total);
             let mut expected = Vec::with_capacity(group_end - next);
             for i in next..group_end {
-                let mut e = if i < sqes.len() {
+                let e = if i < sqes.len() {
                     self.entry(&sqes[i])
                 } else {
                     let fd = sync_fd.unwrap_or_default();
@@ -96,16 +98,13 @@ impl UringIo {
                         .flags(types::FsyncFlags::DATASYNC)
                         .build()
                 };
-                if linked && i + 1 < group_end {
-                    e = e.flags(squeue::Flags::IO_LINK);
-                }
-                e = e.user_data(i as u64);
+                let e = e.user_data(i as u64);
                 // SAFETY: every buffer pointer in `sqes` comes from a slice
                 // the caller keeps borrowed until this function returns, and
-                // we wait for all completions of the group below, so the
-                // kernel never touches memory after it is released. The
-                // queue has room: at most `depth` entries per group and the
-                // previous group was fully reaped.
+                // we wait for all completions of the group below (or abort
+                // the process), so the kernel never touches memory after it
+                // is released. The queue has room: at most `depth` entries
+                // per group and the previous group was fully reaped.
                 unsafe {
                     self.ring
                         .submission()
@@ -115,8 +114,7 @@ impl UringIo {
                 expected.push(if i < sqes.len() { sqes[i].len } else { 0 });
             }
             let n = group_end - next;
-            self.ring.submit_and_wait(n)?;
-            self.stats.syscalls += 1;
+            self.submit_and_wait(n)?;
             let mut done = 0;
             let mut first_err: Option<io::Error> = None;
             let mut short: Vec<usize> = Vec::new();
@@ -127,8 +125,7 @@ impl UringIo {
                     .map(|c| (c.user_data(), c.result()))
                     .collect();
                 if cqes.is_empty() {
-                    self.ring.submit_and_wait(1)?;
-                    self.stats.syscalls += 1;
+                    self.submit_and_wait(1)?;
                     continue;
                 }
                 for (ud, res) in cqes {
@@ -186,7 +183,7 @@ impl UringIo {
         }
     }
 
-    /// A linked chain of writes, optionally ending in a linked fdatasync.
+    /// One batch of writes (they never overlap), optionally followed by an fdatasync.
     fn writes(&mut self, dev: Dev, reqs: &[(u64, &[u8])], sync: bool) -> io::Result<()> {
         let fd = self.fd(dev);
         let mut sqes = Vec::with_capacity(reqs.len());
@@ -202,10 +199,42 @@ impl UringIo {
             );
         }
         self.count(&sqes);
+        // The writes of one batch never overlap (the merge writes each
+        // destination and scratch range once per batch), so they need no
+        // ordering among themselves; the sync follows once they completed.
+        self.run(&sqes, None)?;
         if sync {
             self.stats.fsyncs += 1;
+            self.run(&[], Some(fd))?;
         }
-        self.run(&sqes, true, sync.then_some(fd))
+        Ok(())
+    }
+
+    /// Submit what is queued and wait for `want` completions. A ring that
+    /// makes no progress for `STALL` is treated as a crash: the kernel may
+    /// still own our buffers, so returning would not be memory-safe, and the
+    /// merge protocol resumes from any crash point.
+    fn submit_and_wait(&mut self, want: usize) -> io::Result<()> {
+        let ts = types::Timespec::new().sec(STALL.as_secs());
+        let args = types::SubmitArgs::new().timespec(&ts);
+        loop {
+            self.stats.syscalls += 1;
+            match self.ring.submitter().submit_with_args(want, &args) {
+                Ok(_) => return Ok(()),
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+                Err(e) if e.raw_os_error() == Some(libc::ETIME) => {
+                    if !self.ring.completion().is_empty() {
+                        return Ok(());
+                    }
+                    eprintln!(
+                        "vabc: io_uring made no progress for {} s; stopping (the merge resumes on the next run)",
+                        STALL.as_secs()
+                    );
+                    std::process::abort();
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 
     fn count(&mut self, sqes: &[Sqe]) {
@@ -229,7 +258,7 @@ impl MergeIo for UringIo {
             Self::split(fd, *off, buf.as_mut_ptr(), buf.len(), false, &mut sqes);
         }
         self.count(&sqes);
-        self.run(&sqes, false, None)
+        self.run(&sqes, None)
     }
 
     fn write_many(&mut self, dev: Dev, reqs: &[(u64, &[u8])]) -> io::Result<()> {
@@ -239,10 +268,10 @@ impl MergeIo for UringIo {
     fn sync(&mut self, dev: Dev) -> io::Result<()> {
         let fd = self.fd(dev);
         self.stats.fsyncs += 1;
-        self.run(&[], false, Some(fd))
+        self.run(&[], Some(fd))
     }
 
-    /// Writes in order, then a linked fdatasync: one submission.
+    /// The batch of writes, then one fdatasync.
     fn write_and_sync(&mut self, dev: Dev, reqs: &[(u64, &[u8])]) -> io::Result<()> {
         self.writes(dev, reqs, true)
     }
