@@ -8,7 +8,7 @@
 use std::collections::{HashMap, HashSet};
 
 use crate::error::MergeOrderError;
-use crate::format::{Op, OpKind};
+use crate::format::Op;
 
 /// Derive the merge order: indices into `ops` (stream order).
 ///
@@ -101,14 +101,10 @@ pub fn verify_order<'a>(ops: impl IntoIterator<Item = &'a Op>) -> Result<(), Mer
     Ok(())
 }
 
-/// Convenience: is this op one whose order matters?
-pub fn is_ordered(kind: OpKind) -> bool {
-    kind.is_ordered()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::format::OpKind;
 
     fn copy(new_block: u64, source: u64) -> Op {
         Op {

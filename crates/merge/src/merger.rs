@@ -16,7 +16,6 @@
 //! of W was written. A crash between 2 and 4 finds state 2 and rewrites W
 //! from the scratch copy (idempotent). After 4, W is done.
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -182,16 +181,24 @@ impl<'a> Merge<'a> {
         let mut head = vec![0u8; self.header_size + 1];
         io.read_many(Dev::Cow, &mut [(0, &mut head[..])])
             .map_err(|e| self.cow_io("read header", 0, e))?;
+        Ok(self.parse_progress(&head))
+    }
+
+    /// `num_merge_ops` (header offset 26) and the state byte after the header.
+    fn parse_progress(&self, head: &[u8]) -> (u64, u8) {
         let mut n = [0u8; 8];
         n.copy_from_slice(&head[26..34]);
-        Ok((u64::from_le_bytes(n), head[self.header_size]))
+        (u64::from_le_bytes(n), head[self.header_size])
     }
 
     /// Run (or resume) the merge to completion, or until
     /// `opts.max_commits`. `progress(merged, total)` after every commit.
     pub fn run(&self, io: &mut dyn MergeIo, progress: &dyn Fn(u64, u64)) -> Result<MergeReport> {
         let total = self.order.len();
-        let (mut pos, state) = self.progress(io)?;
+        let mut head = vec![0u8; self.header_size + 1];
+        io.read_many(Dev::Cow, &mut [(0, &mut head[..])])
+            .map_err(|e| self.cow_io("read header", 0, e))?;
+        let (mut pos, state) = self.parse_progress(&head);
         if pos > total as u64 {
             return Err(MergeError::Corrupt {
                 path: self.cow_path.clone(),
@@ -208,9 +215,6 @@ impl<'a> Merge<'a> {
         if let Some(s) = &self.status {
             s.set_merged(pos as usize);
         }
-        let mut head = vec![0u8; self.header_size + 1];
-        io.read_many(Dev::Cow, &mut [(0, &mut head[..])])
-            .map_err(|e| self.cow_io("read header", 0, e))?;
         let mut window = vec![0u8; self.window_cap.max(1) * BLOCK_SIZE];
         if self.window_cap > 0 {
             io.register(&mut window)
@@ -573,15 +577,4 @@ impl<'a> Merge<'a> {
         }
         Ok(())
     }
-}
-
-/// Position of each op (by index in `CowReader::ops()`) in the merge order,
-/// for readers that must know whether an op was merged.
-pub fn positions(cow: &CowReader) -> Result<HashMap<usize, usize>> {
-    let order = cow.merge_order()?;
-    let mut m = HashMap::with_capacity(order.len());
-    for (pos, i) in order.into_iter().enumerate() {
-        m.entry(i).or_insert(pos);
-    }
-    Ok(m)
 }

@@ -3,7 +3,7 @@
 
 use std::fs::{self, File};
 use std::io::Write as _;
-use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -109,17 +109,7 @@ fn parse_salt(s: &str) -> Result<Vec<u8>> {
 
 /// Length of a regular file, or of a block device (whose metadata says 0).
 pub(crate) fn device_or_file_len(f: &File, path: &Path) -> Result<u64> {
-    use std::io::Seek;
-    let md = f
-        .metadata()
-        .with_context(|| format!("stat {}", path.display()))?;
-    if md.file_type().is_block_device() {
-        let mut f = f;
-        return f
-            .seek(std::io::SeekFrom::End(0))
-            .with_context(|| format!("size of block device {}", path.display()));
-    }
-    Ok(md.len())
+    Ok(cow::view::file_size(f, path)?)
 }
 
 impl TreeOpts {
