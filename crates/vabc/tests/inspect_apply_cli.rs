@@ -1,31 +1,13 @@
 //! `vabc inspect` and `vabc apply` end to end, on AOSP's vectors read in
 //! place.
 
+mod serve_common;
+
+use serve_common::{run_vabc, sha256_file, vectors};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-
-use sha2::{Digest, Sha256};
-
-fn vectors() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/aosp-cow-vectors")
-}
-
-fn vabc(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_vabc"))
-        .args(args)
-        .output()
-        .unwrap()
-}
 
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()
-}
-
-fn sha(p: &Path) -> String {
-    Sha256::digest(std::fs::read(p).unwrap())
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
 }
 
 const EXPECTED_SHA: &str = "ff702c6cea81c675807b7ea9f450f96de01a30ecc8545b7c1d57dee750d98c2f";
@@ -46,14 +28,14 @@ fn apply_reproduces_expected_for_every_vector() {
     let base = vectors().join("base.img");
     for cow in cows() {
         let out = dir.path().join("new.img");
-        let o = vabc(&["apply", "--base", s(&base), "--cow", s(&cow), "-o", s(&out)]);
+        let o = run_vabc(&["apply", "--base", s(&base), "--cow", s(&cow), "-o", s(&out)]);
         assert!(
             o.status.success(),
             "{}: {}",
             cow.display(),
             String::from_utf8_lossy(&o.stderr)
         );
-        assert_eq!(sha(&out), EXPECTED_SHA, "{}", cow.display());
+        assert_eq!(sha256_file(&out), EXPECTED_SHA, "{}", cow.display());
     }
     // Only the output is left behind: no temporary files.
     let names: Vec<_> = std::fs::read_dir(dir.path())
@@ -66,7 +48,7 @@ fn apply_reproduces_expected_for_every_vector() {
 #[test]
 fn verify_merge_rejects_badseq_only() {
     for cow in cows() {
-        let o = vabc(&["inspect", s(&cow), "--verify-merge"]);
+        let o = run_vabc(&["inspect", s(&cow), "--verify-merge"]);
         let out = String::from_utf8_lossy(&o.stdout);
         if s(&cow).contains("badseq") {
             assert!(!o.status.success());
@@ -86,7 +68,7 @@ fn verify_merge_rejects_badseq_only() {
 #[test]
 fn inspect_json_lists_ops_in_merge_order() {
     let cow = vectors().join("v3_lz4_65536.cow");
-    let o = vabc(&["inspect", s(&cow), "--ops", "--order", "merge", "--json"]);
+    let o = run_vabc(&["inspect", s(&cow), "--ops", "--order", "merge", "--json"]);
     assert!(o.status.success());
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["version"], "3.0");
@@ -117,7 +99,7 @@ fn inspect_json_lists_ops_in_merge_order() {
         .collect();
     assert_eq!(labels, vec![3, 4, 5, 6]);
     // Stream order differs from merge order only by where REPLACE/ZERO sit.
-    let o = vabc(&["inspect", s(&cow), "--ops", "--json"]);
+    let o = run_vabc(&["inspect", s(&cow), "--ops", "--json"]);
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["order"], "stream");
     assert_eq!(v["ops"].as_array().unwrap().len(), 13);
@@ -128,7 +110,7 @@ fn apply_at_label() {
     let dir = tempfile::tempdir().unwrap();
     let base = vectors().join("base.img");
     let out = dir.path().join("l1.img");
-    let o = vabc(&[
+    let o = run_vabc(&[
         "apply",
         "--base",
         s(&base),
@@ -151,7 +133,7 @@ fn apply_at_label() {
     for b in [100, 118, 300] {
         assert_eq!(blk(&img, b), blk(&basei, b), "block {b}");
     }
-    let o = vabc(&[
+    let o = run_vabc(&[
         "apply",
         "--base",
         s(&base),
@@ -173,7 +155,7 @@ fn bad_input_leaves_nothing_behind() {
     let good = std::fs::read(vectors().join("v2_zstd_4096.cow")).unwrap();
     let out = dir.path().join("new.img");
     let check_fails = |cow: &Path, base: &Path, needle: &str| {
-        let o = vabc(&["apply", "--base", s(base), "--cow", s(cow), "-o", s(&out)]);
+        let o = run_vabc(&["apply", "--base", s(base), "--cow", s(cow), "-o", s(&out)]);
         let err = String::from_utf8_lossy(&o.stderr).to_string();
         assert!(!o.status.success(), "should fail: {needle}");
         assert!(err.contains(needle), "expected {needle:?} in: {err}");
@@ -209,7 +191,7 @@ fn bad_input_leaves_nothing_behind() {
     // Missing base.
     check_fails(&cow, &dir.path().join("nope.img"), "nope.img");
     // Output over an input is refused.
-    let o = vabc(&[
+    let o = run_vabc(&[
         "apply",
         "--base",
         s(&small),

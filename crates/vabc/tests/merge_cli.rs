@@ -2,28 +2,8 @@
 
 mod serve_common;
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-
-use sha2::{Digest, Sha256};
-
-fn vectors() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/aosp-cow-vectors")
-}
-
-fn vabc(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_vabc"))
-        .args(args)
-        .output()
-        .unwrap()
-}
-
-fn sha(p: &Path) -> String {
-    Sha256::digest(std::fs::read(p).unwrap())
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
-}
+use serve_common::{run_vabc, sha256_file, vectors};
+use std::process::Command;
 
 const EXPECTED_SHA: &str = "ff702c6cea81c675807b7ea9f450f96de01a30ecc8545b7c1d57dee750d98c2f";
 
@@ -44,7 +24,7 @@ fn merge_vectors_with_both_engines_pause_and_resume() {
             let b = base.to_str().unwrap();
             let c = cow.to_str().unwrap();
             // Pause after one commit (the first window), then resume.
-            let o = vabc(&[
+            let o = run_vabc(&[
                 "merge",
                 "--base",
                 b,
@@ -59,19 +39,19 @@ fn merge_vectors_with_both_engines_pause_and_resume() {
             ]);
             assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
             assert!(String::from_utf8_lossy(&o.stderr).contains("paused after 3"));
-            assert_ne!(sha(&base), EXPECTED_SHA);
-            let o = vabc(&[
+            assert_ne!(sha256_file(&base), EXPECTED_SHA);
+            let o = run_vabc(&[
                 "merge", "--base", b, "--cow", c, "--engine", engine, "--json",
             ]);
             assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
             let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
             assert_eq!(v["started_at"], 3);
             assert_eq!(v["complete"], true);
-            assert_eq!(sha(&base), EXPECTED_SHA, "{name} {engine}");
-            let o = vabc(&["merge", "--base", b, "--cow", c]);
+            assert_eq!(sha256_file(&base), EXPECTED_SHA, "{name} {engine}");
+            let o = run_vabc(&["merge", "--base", b, "--cow", c]);
             assert!(o.status.success());
             assert!(String::from_utf8_lossy(&o.stderr).contains("already complete"));
-            assert_eq!(sha(&base), EXPECTED_SHA);
+            assert_eq!(sha256_file(&base), EXPECTED_SHA);
         }
     }
 }
@@ -83,9 +63,9 @@ fn badseq_is_refused_and_nothing_changes() {
     let cow = dir.path().join("bad.cow");
     std::fs::copy(vectors().join("base.img"), &base).unwrap();
     std::fs::copy(vectors().join("v3_lz4_4096_badseq.cow"), &cow).unwrap();
-    let (b0, c0) = (sha(&base), sha(&cow));
+    let (b0, c0) = (sha256_file(&base), sha256_file(&cow));
     for engine in ["uring", "sync"] {
-        let o = vabc(&[
+        let o = run_vabc(&[
             "merge",
             "--base",
             base.to_str().unwrap(),
@@ -97,14 +77,14 @@ fn badseq_is_refused_and_nothing_changes() {
         assert!(!o.status.success());
         let err = String::from_utf8_lossy(&o.stderr);
         assert!(err.contains("merge order is unsafe"), "{err}");
-        assert_eq!(sha(&base), b0);
-        assert_eq!(sha(&cow), c0);
+        assert_eq!(sha256_file(&base), b0);
+        assert_eq!(sha256_file(&cow), c0);
     }
     // A base that is too small is refused too, untouched.
     let small = dir.path().join("small.img");
     std::fs::write(&small, vec![7u8; 64 * 4096]).unwrap();
     std::fs::copy(vectors().join("v2_lz4_4096.cow"), &cow).unwrap();
-    let o = vabc(&[
+    let o = run_vabc(&[
         "merge",
         "--base",
         small.to_str().unwrap(),
@@ -133,13 +113,13 @@ fn merge_tiny_corpus_pair_with_both_engines() {
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let want = sha(&new);
+    let want = sha256_file(&new);
     for engine in ["uring", "sync"] {
         let base = dir.path().join("base.img");
         let c = dir.path().join("m.cow");
         std::fs::copy(&old, &base).unwrap();
         std::fs::copy(&cow, &c).unwrap();
-        let o = vabc(&[
+        let o = run_vabc(&[
             "merge",
             "--base",
             base.to_str().unwrap(),
@@ -152,6 +132,6 @@ fn merge_tiny_corpus_pair_with_both_engines() {
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
         assert_eq!(v["complete"], true);
-        assert_eq!(sha(&base), want, "{engine}");
+        assert_eq!(sha256_file(&base), want, "{engine}");
     }
 }

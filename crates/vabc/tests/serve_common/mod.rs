@@ -18,6 +18,25 @@ pub fn vabc() -> &'static str {
     env!("CARGO_BIN_EXE_vabc")
 }
 
+/// Runs `vabc ARGS` to completion.
+pub fn run_vabc(args: &[&str]) -> std::process::Output {
+    Command::new(vabc()).args(args).output().unwrap()
+}
+
+/// AOSP's COW vectors, read in place.
+pub fn vectors() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/aosp-cow-vectors")
+}
+
+/// Hex SHA-256 of a whole file.
+pub fn sha256_file(p: &Path) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(std::fs::read(p).unwrap())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
 /// Corpus images live in a fixed temporary location shared by all test runs
 /// (`make-corpus.sh` output is byte-for-byte reproducible, so reuse is safe).
 pub fn corpus_dir() -> PathBuf {
