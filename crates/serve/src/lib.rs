@@ -5,13 +5,14 @@
 //! * [`mount`]: the whole stack on top of it: loop device in direct-I/O mode + `mount -o
 //!   ro` for ext4, or a file-backed EROFS mount with no loop device; torn down in reverse;
 //! * [`nbd`]: an NBD server (fixed newstyle, read-only, many connections);
-//! * [`verity`]: dm-verity checking of every block served (EIO on a mismatch).
-//!
-//! A ublk frontend would sit next to these, on the same trait.
+//! * [`verity`]: dm-verity checking of every block served (EIO on a mismatch);
+//! * [`ublk`]: a kernel block device `/dev/ublkbN` served through the ublk driver
+//!   (unit-tested with a fake transport; the kernel side is untested here).
 
 pub mod fuse;
 pub mod mount;
 pub mod nbd;
+pub mod ublk;
 pub mod verity;
 mod workers;
 
@@ -39,6 +40,8 @@ pub enum ServeError {
     Address { addr: String, msg: String },
     #[error(transparent)]
     Engine(#[from] engine::EngineError),
+    #[error(transparent)]
+    Ublk(#[from] ublk::UblkError),
 }
 
 pub type Result<T> = std::result::Result<T, ServeError>;

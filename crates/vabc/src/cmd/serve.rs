@@ -1,6 +1,6 @@
 //! `vabc serve`: expose the new image (base + COW) before merging, through a FUSE file,
-//! a full mount stack, or an NBD server. Runs in the foreground until SIGINT/SIGTERM and
-//! then tears everything down in reverse order.
+//! a full mount stack, an NBD server, or a ublk block device. Runs in the foreground
+//! until SIGINT/SIGTERM and then tears everything down in reverse order.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -15,7 +15,7 @@ use serve::mount::{FsType, MountOptions, MountStack};
 use serve::nbd::{NbdAddr, NbdOptions, NbdServer};
 
 #[derive(clap::Args, Debug)]
-#[command(group(clap::ArgGroup::new("frontend").required(true).multiple(true).args(["fuse", "mount", "nbd"])))]
+#[command(group(clap::ArgGroup::new("frontend").required(true).multiple(true).args(["fuse", "mount", "nbd", "ublk"])))]
 pub struct Args {
     /// Base (old) image the COW was made against.
     #[arg(long, value_name = "OLD.img")]
@@ -40,6 +40,15 @@ pub struct Args {
     /// Serve over NBD at unix:PATH or tcp:IP:PORT.
     #[arg(long, value_name = "ADDR")]
     pub nbd: Option<String>,
+    /// Serve as a kernel block device /dev/ublkbN (needs the ublk_drv module).
+    #[arg(long)]
+    pub ublk: bool,
+    /// ublk hardware queues, one thread each (0: one per CPU).
+    #[arg(long, default_value_t = 0, requires = "ublk")]
+    pub ublk_queues: u16,
+    /// ublk queue depth: requests in flight per queue.
+    #[arg(long, default_value_t = 64, requires = "ublk")]
+    pub ublk_depth: u16,
     /// NBD export name (clients asking for the default export "" get it too).
     #[arg(long, default_value = "vabc")]
     pub export_name: String,
@@ -104,6 +113,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         signal_hook::flag::register(sig, stop.clone()).context("install signal handler")?;
     }
     let nbd_addr: Option<NbdAddr> = args.nbd.as_deref().map(str::parse).transpose()?;
+    // Before any work: a missing driver is the likely failure.
+    let ublk_transport = match args.ublk {
+        true => Some(serve::ublk::KernelTransport::open()?),
+        false => None,
+    };
     if let Some(t) = &args.mount
         && !t.is_dir()
     {
@@ -158,6 +172,25 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         }
         None => None,
     };
+    let ublk = match ublk_transport {
+        Some(t) => {
+            let opts = serve::ublk::UblkOptions {
+                queues: args.ublk_queues,
+                depth: args.ublk_depth,
+                ..Default::default()
+            };
+            let d = serve::ublk::UblkDevice::start(dev.clone(), t, &opts)?;
+            let p = d.params();
+            println!(
+                "vabc serve: block device {} ({} queues of depth {}, read-only)",
+                d.block_path().display(),
+                p.queues,
+                p.depth
+            );
+            Some(d)
+        }
+        None => None,
+    };
     let mut stack = None;
     let mut fuse = None;
     if let Some(target) = &args.mount {
@@ -196,6 +229,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let mut merge_job = merge_job.filter(|_| args.merge).map(MergeJob::start);
     let mut merge_failed = None;
     let mut lost = false;
+    let mut lost_ublk = false;
     while !stop.load(Ordering::Relaxed) {
         if let Some(job) = merge_job.take_if(|j| j.is_finished()) {
             match job.join() {
@@ -212,8 +246,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             }
         }
         let alive = stack.as_ref().is_none_or(MountStack::is_alive)
-            && fuse.as_ref().is_none_or(FuseExport::is_alive);
+            && fuse.as_ref().is_none_or(FuseExport::is_alive)
+            && ublk.as_ref().is_none_or(serve::ublk::UblkDevice::is_alive);
         if !alive {
+            lost_ublk = ublk.as_ref().is_some_and(|u| !u.is_alive());
             lost = true;
             break;
         }
@@ -239,10 +275,17 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         let r = f.unmount().context("unmount the FUSE export");
         result = result.and(r);
     }
+    if let Some(u) = ublk {
+        let r = u.stop().map(drop).context("stop the ublk device");
+        result = result.and(r);
+    }
     if let Some(n) = nbd {
         n.stop();
     }
     result?;
+    if lost_ublk {
+        bail!("the ublk device was stopped from outside; stopped serving");
+    }
     if lost {
         bail!("the FUSE export was unmounted from outside; stopped serving");
     }
