@@ -14,10 +14,13 @@
 #
 # Needs root, fio, qemu-storage-daemon (qemu-system-common), python3.
 # Usage: bench/serve.sh [PAIR]        (default system; RUNTIME=8 seconds per random job)
+# Subsets for quick iterations: CONFIGS="loop-raw vabc" JOBS="seq1 seq8" bench/serve.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PAIR=${1:-system}
 RUNTIME=${RUNTIME:-8}
+CONFIGS=${CONFIGS:-loop-raw vabc qsd}
+JOBS=${JOBS:-seq1 seq8 rnd1 rnd32 cache}
 SEQ_SIZE=${SEQ_SIZE:-512M}
 CORPUS=${CORPUS:-${TMPDIR:-/tmp}/corpus}
 WORK=${BENCH_DIR:-${TMPDIR:-/tmp}/vabc-bench-serve}
@@ -81,13 +84,17 @@ fio_job() { # TARGET NAME RW BS ENGINE DEPTH [extra...]
 }
 
 declare -A R
+has() { [[ " $JOBS " == *" $1 "* ]]; }
+want() { [[ " $CONFIGS " == *" $1 "* ]]; }
 measure() { # CONFIG LOOPDEV FILES-TO-COUNT...
 	local cfg=$1 dev=$2
 	shift 2
-	R[$cfg.seq1]=$(fio_job "$dev" seq1 read 1M psync 1 --size="$SEQ_SIZE" | cut -d' ' -f1)
-	R[$cfg.seq8]=$(fio_job "$dev" seq8 read 1M io_uring 8 --size="$SEQ_SIZE" | cut -d' ' -f1)
-	R[$cfg.rnd1]=$(fio_job "$dev" rnd1 randread 4k psync 1 --runtime="$RUNTIME" --time_based --randrepeat=0 | cut -d' ' -f2)
-	R[$cfg.rnd32]=$(fio_job "$dev" rnd32 randread 4k io_uring 32 --runtime="$RUNTIME" --time_based --randrepeat=0 | cut -d' ' -f2)
+	R[$cfg.seq1]=- R[$cfg.seq8]=- R[$cfg.rnd1]=- R[$cfg.rnd32]=- R[$cfg.copies]=- R[$cfg.cache]=""
+	has seq1 && R[$cfg.seq1]=$(fio_job "$dev" seq1 read 1M psync 1 --size="$SEQ_SIZE" | cut -d' ' -f1)
+	has seq8 && R[$cfg.seq8]=$(fio_job "$dev" seq8 read 1M io_uring 8 --size="$SEQ_SIZE" | cut -d' ' -f1)
+	has rnd1 && R[$cfg.rnd1]=$(fio_job "$dev" rnd1 randread 4k psync 1 --runtime="$RUNTIME" --time_based --randrepeat=0 | cut -d' ' -f2)
+	has rnd32 && R[$cfg.rnd32]=$(fio_job "$dev" rnd32 randread 4k io_uring 32 --runtime="$RUNTIME" --time_based --randrepeat=0 | cut -d' ' -f2)
+	has cache || return 0
 	# Whole device read once, buffered, device kept open so its cache survives.
 	drop
 	exec 9<"$dev"
@@ -104,11 +111,14 @@ measure() { # CONFIG LOOPDEV FILES-TO-COUNT...
 }
 
 # (a) loop on the raw new image
-LOOP=$(losetup --find --show --read-only --direct-io=on "$NEW")
-measure loop-raw "$LOOP" "$NEW"
-cleanup
+if want loop-raw; then
+	LOOP=$(losetup --find --show --read-only --direct-io=on "$NEW")
+	measure loop-raw "$LOOP" "$NEW"
+	cleanup
+fi
 
 # (b) vabc: FUSE export of base + COW, loop on top
+if want vabc; then
 mkdir -p "$WORK/fuse"
 "$VABC" serve --base "$OLD" --cow "$COW" --size "$SIZE" --fuse "$WORK/fuse" >"$WORK/serve.log" 2>&1 &
 DAEMON=$!
@@ -118,8 +128,10 @@ MNT=$WORK/fuse
 LOOP=$(losetup --find --show --read-only --direct-io=on "$WORK/fuse/disk.img")
 measure vabc "$LOOP" "$WORK/fuse/disk.img" "$OLD" "$COW"
 cleanup
+fi
 
 # (c) qemu-storage-daemon FUSE export of the raw new image, loop on top
+if want qsd; then
 touch "$WORK/qsdfile"
 qemu-storage-daemon \
 	--blockdev driver=file,node-name=file0,filename="$NEW",cache.direct=on,aio=io_uring,read-only=on \
@@ -131,18 +143,20 @@ for _ in $(seq 100); do mountpoint -q "$WORK/qsdfile" && break; sleep 0.1; done
 LOOP=$(losetup --find --show --read-only --direct-io=on "$WORK/qsdfile")
 measure qsd "$LOOP" "$WORK/qsdfile" "$NEW"
 cleanup
+fi
 
-ratio() { echo "scale=2; $1 / $2" | bc -l; }
+ratio() { if [[ $1 =~ ^[0-9]+$ && $2 =~ ^[1-9][0-9]*$ ]]; then echo "scale=2; $1 / $2" | bc -l; else echo -; fi; }
 echo
 echo "pair $PAIR: new.ext4.img $((SIZE / 1048576)) MiB, COW $(($(stat -c %s "$COW") / 1048576)) MiB; $(nproc) CPUs, load $(cut -d' ' -f1 /proc/loadavg)"
 echo
 echo "| config | seq 1M QD1 MiB/s | seq 1M QD8 MiB/s | rand 4K QD1 IOPS | rand 4K QD32 IOPS | page-cache copies after one full read (MiB per layer) |"
 echo "|---|---|---|---|---|---|"
 for c in loop-raw vabc qsd; do
+	want "$c" || R[$c.seq1]=- R[$c.seq8]=- R[$c.rnd1]=- R[$c.rnd32]=- R[$c.copies]=- R[$c.cache]=""
 	echo "| $c | ${R[$c.seq1]} | ${R[$c.seq8]} | ${R[$c.rnd1]} | ${R[$c.rnd32]} | ${R[$c.copies]} (${R[$c.cache]% }) |"
 done
 echo
 echo "vabc / loop-raw, seq 1M QD1: $(ratio "${R[vabc.seq1]}" "${R[loop-raw.seq1]}")  QD8: $(ratio "${R[vabc.seq8]}" "${R[loop-raw.seq8]}")   (target >= 0.8)"
 echo "vabc / qsd, rand 4K QD32: $(ratio "${R[vabc.rnd32]}" "${R[qsd.rnd32]}")   QD1: $(ratio "${R[vabc.rnd1]}" "${R[qsd.rnd1]}")   (target >= 1.5)"
 echo
-echo "reproduce: sudo bench/serve.sh $PAIR   (RUNTIME=$RUNTIME SEQ_SIZE=$SEQ_SIZE)"
+echo "reproduce: sudo RUNTIME=$RUNTIME SEQ_SIZE=$SEQ_SIZE CONFIGS=\"$CONFIGS\" JOBS=\"$JOBS\" bench/serve.sh $PAIR"

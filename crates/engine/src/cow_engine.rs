@@ -5,11 +5,13 @@
 //!    walk that cuts `[offset, offset + len)` into segments. Consecutive base reads
 //!    (unchanged blocks and COPY ops whose sources are consecutive) coalesce into one
 //!    segment, hence one `pread`; so do consecutive ZERO blocks.
-//! 2. *Execute*: with two or more REPLACE segments, they are decoded on the decode pool
-//!    (one worker per CPU, rayon's per-worker deques); with several separate base reads
-//!    (scattered COPY sources, XOR), those go to a small I/O pool so they are in flight
-//!    together. Small requests (the common random 4 KiB read) run inline on the calling
-//!    thread, with no thread hop.
+//! 2. *Execute*: small requests (the common random 4 KiB read) run inline on the calling
+//!    thread, with no thread hop; two or more REPLACE segments are decoded on the decode
+//!    pool (one worker per CPU, rayon's per-worker deques). A request with several
+//!    separate base/XOR reads (scattered COPY sources, XOR) takes the batched path in
+//!    `gather`: its source ranges sorted and merged into a few large reads, submitted
+//!    together through the calling thread's io_uring (the I/O pool without one), its COW
+//!    payloads fetched the same way and decoded from memory.
 //!
 //! Decoded multi-block units that a request covers only partly go to a bounded cache;
 //! a fully covered unit is decoded straight into the caller's buffer.
@@ -27,8 +29,11 @@ use crate::error::{EngineError, Result};
 use crate::io::ImageFile;
 use crate::{BLOCK_SIZE, BlockDevice, check_range};
 
+mod gather;
+
 const BS: u64 = BLOCK_SIZE as u64;
-/// Requests with at least this many separate base reads issue them concurrently.
+/// Requests with at least this many separate base/XOR reads take the batched path
+/// (`gather`): sorted, merged source reads, all in flight at once.
 const IO_FANOUT_MIN: usize = 4;
 
 /// Where a COPY/XOR block's data comes from while a merge may be running (spec §4.5).
@@ -59,7 +64,24 @@ pub trait MergeGuard {
 /// Hook for a block verifier (dm-verity hash tree, later). Called with every block a
 /// read returns, fully assembled, before the data leaves the engine.
 pub trait BlockVerifier: Send + Sync {
+    /// Checks `data`, block `block` of the device (shorter than [`BLOCK_SIZE`] only for
+    /// the device's last block).
     fn verify(&self, block: u64, data: &[u8]) -> std::result::Result<(), String>;
+
+    /// Checks consecutive blocks from `first_block` (the last one may be partial, as in
+    /// [`Self::verify`]). On error, names the first block that failed. Override it where
+    /// checking a run costs less than checking its blocks one by one (paired hashing).
+    fn verify_blocks(
+        &self,
+        first_block: u64,
+        data: &[u8],
+    ) -> std::result::Result<(), (u64, String)> {
+        for (i, d) in data.chunks(BLOCK_SIZE).enumerate() {
+            let block = first_block + i as u64;
+            self.verify(block, d).map_err(|msg| (block, msg))?;
+        }
+        Ok(())
+    }
 }
 
 /// Options for [`CowEngine::open`].
@@ -73,9 +95,9 @@ pub struct CowEngineOptions {
     pub decode_threads: usize,
     /// Read the base image with `O_DIRECT` where alignment allows.
     pub direct_io: bool,
-    /// Threads that issue the base reads of one large request concurrently. Blocking
-    /// `pread`s, not CPU work, hence more than one per CPU: with `O_DIRECT` a 1 MiB
-    /// request of scattered COPY/XOR sources is otherwise a chain of serial disk reads.
+    /// Threads that issue the merged source reads of one large request concurrently
+    /// where io_uring is unavailable. Blocking `pread`s, not CPU work, hence more than
+    /// one per CPU. With io_uring these threads are created but stay idle.
     pub io_threads: usize,
 }
 
@@ -162,6 +184,9 @@ pub struct CowEngine {
     cache: UnitCache,
     pool: Option<rayon::ThreadPool>,
     io_pool: Option<rayon::ThreadPool>,
+    bounce: gather::BufPool,
+    /// The COW once more, for batched payload reads through io_uring (`None`: pread).
+    cow_file: Option<std::fs::File>,
     merge: Option<Arc<dyn MergeHook>>,
     verifier: Option<Arc<dyn BlockVerifier>>,
     stats: EngineStats,
@@ -298,6 +323,8 @@ impl CowEngine {
             cache: UnitCache::new(opts.cache_bytes),
             pool,
             io_pool,
+            bounce: gather::BufPool::default(),
+            cow_file: std::fs::File::open(cow_path).ok(),
             merge: None,
             verifier: None,
             stats: EngineStats::default(),
@@ -444,13 +471,11 @@ impl CowEngine {
             .iter()
             .filter(|s| matches!(s, Seg::Base { .. } | Seg::Xor { .. }))
             .count();
-        let fan_decode = replaces >= 2;
-        let fan_io = reads >= IO_FANOUT_MIN;
-        let pools = match (&self.pool, &self.io_pool) {
-            (Some(d), Some(i)) if fan_decode || fan_io => Some((d, i)),
-            _ => None,
-        };
-        let Some((decode_pool, io_pool)) = pools else {
+        if reads >= IO_FANOUT_MIN {
+            return self.execute_gathered(plan, buf);
+        }
+        let pool = self.pool.as_ref().filter(|_| replaces >= 2);
+        let Some(decode_pool) = pool else {
             let mut rest = buf;
             for seg in plan {
                 let (head, tail) = std::mem::take(&mut rest).split_at_mut(seg.len());
@@ -467,28 +492,23 @@ impl CowEngine {
                 slot.get_or_insert(e);
             }
         };
-        io_pool.in_place_scope(|io_scope| {
-            decode_pool.in_place_scope(|decode_scope| {
-                let mut inline: SmallVec<[(Seg, &mut [u8]); 16]> = SmallVec::new();
-                let mut rest = buf;
-                for seg in plan {
-                    let (head, tail) = std::mem::take(&mut rest).split_at_mut(seg.len());
-                    rest = tail;
-                    let (seg, record) = (*seg, &record);
-                    match seg {
-                        Seg::Replace { .. } if fan_decode => {
-                            decode_scope.spawn(move |_| record(self.run_seg(seg, head)))
-                        }
-                        Seg::Base { .. } | Seg::Xor { .. } if fan_io => {
-                            io_scope.spawn(move |_| record(self.run_seg(seg, head)))
-                        }
-                        _ => inline.push((seg, head)),
+        decode_pool.in_place_scope(|decode_scope| {
+            let mut inline: SmallVec<[(Seg, &mut [u8]); 16]> = SmallVec::new();
+            let mut rest = buf;
+            for seg in plan {
+                let (head, tail) = std::mem::take(&mut rest).split_at_mut(seg.len());
+                rest = tail;
+                let (seg, record) = (*seg, &record);
+                match seg {
+                    Seg::Replace { .. } => {
+                        decode_scope.spawn(move |_| record(self.run_seg(seg, head)))
                     }
+                    _ => inline.push((seg, head)),
                 }
-                for (seg, head) in inline {
-                    record(self.run_seg(seg, head));
-                }
-            })
+            }
+            for (seg, head) in inline {
+                record(self.run_seg(seg, head));
+            }
         });
         match first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
             Some(e) => Err(e),
@@ -614,11 +634,12 @@ impl CowEngine {
 
     fn verify(&self, verifier: &dyn BlockVerifier, buf: &[u8], offset: u64) -> Result<()> {
         let end = offset + buf.len() as u64;
-        // Whole blocks inside the request are hashed where they are, in parallel on the
-        // decode pool for large requests (hashing is the cost of verified serving); blocks
-        // the request only partly covers are read whole, then checked.
-        let first_full = offset.div_ceil(BS);
-        let end_full = (end / BS).max(first_full);
+        // Blocks inside the request (the device's short last block included) are checked
+        // where they are, as runs so the verifier can hash them in pairs, split across the
+        // decode pool for large requests (hashing is the cost of verified serving). A block
+        // the request covers only in part is read whole, then checked.
+        let whole_start = offset.div_ceil(BS) * BS;
+        let whole_end = if end == self.size { end } else { end / BS * BS };
         let mut tmp = [0u8; BLOCK_SIZE];
         let mut partial = |block: u64| -> Result<()> {
             let bstart = block * BS;
@@ -631,31 +652,43 @@ impl CowEngine {
         if !offset.is_multiple_of(BS) {
             partial(offset / BS)?;
         }
-        let whole: &[u8] = if first_full < end_full {
-            &buf[(first_full * BS - offset) as usize..(end_full * BS - offset) as usize]
-        } else {
-            &[]
-        };
-        let check = |(i, d): (usize, &[u8])| {
-            let block = first_full + i as u64;
-            verifier
-                .verify(block, d)
-                .map_err(|msg| EngineError::Verify { block, msg })
-        };
-        match &self.pool {
-            Some(pool) if whole.len() >= 16 * BLOCK_SIZE => {
-                use rayon::prelude::*;
-                pool.install(|| {
-                    whole
-                        .par_chunks(BLOCK_SIZE)
-                        .enumerate()
-                        .with_min_len(8)
-                        .try_for_each(check)
-                })?;
+        if whole_start < whole_end {
+            let first = whole_start / BS;
+            let whole = &buf[(whole_start - offset) as usize..(whole_end - offset) as usize];
+            let check = |first: u64, data: &[u8]| {
+                verifier
+                    .verify_blocks(first, data)
+                    .map_err(|(block, msg)| EngineError::Verify { block, msg })
+            };
+            match &self.pool {
+                Some(pool) if whole.len() >= 16 * BLOCK_SIZE => {
+                    // One even-sized run per thread, so pairs stay whole: on 2 CPUs a
+                    // 1 MiB request is two 512 KiB runs, each one leaf block of a
+                    // SHA-256 tree when aligned. This thread checks the first run
+                    // itself instead of sleeping while the pool works: one wake-up
+                    // less per request, and one pool thread fewer left spinning idle.
+                    let blocks = whole.len().div_ceil(BLOCK_SIZE);
+                    let per = blocks.div_ceil(pool.current_num_threads()).max(8);
+                    let run = per.next_multiple_of(2) * BLOCK_SIZE;
+                    let mut results: Vec<Result<()>> = whole.chunks(run).map(|_| Ok(())).collect();
+                    let (mine, theirs) = results.split_at_mut(1);
+                    let check = &check;
+                    pool.in_place_scope(|s| {
+                        for (i, (slot, d)) in
+                            theirs.iter_mut().zip(whole.chunks(run).skip(1)).enumerate()
+                        {
+                            let b = first + ((i + 1) * run / BLOCK_SIZE) as u64;
+                            s.spawn(move |_| *slot = check(b, d));
+                        }
+                        mine[0] = check(first, &whole[..run.min(whole.len())]);
+                    });
+                    // The first failing block in device order.
+                    results.into_iter().collect::<Result<()>>()?;
+                }
+                _ => check(first, whole)?,
             }
-            _ => whole.chunks(BLOCK_SIZE).enumerate().try_for_each(check)?,
         }
-        if !end.is_multiple_of(BS) && end_full * BS < end {
+        if whole_end < end && end / BS * BS >= whole_start {
             partial(end / BS)?;
         }
         Ok(())

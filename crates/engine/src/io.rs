@@ -72,6 +72,21 @@ impl ImageFile {
         self.direct.is_some()
     }
 
+    /// The descriptor a read of `buf` at `offset` can go to as is (e.g. through
+    /// io_uring), or `None` when it needs [`read_exact_at`](Self::read_exact_at): past the
+    /// end, or not aligned for `O_DIRECT`.
+    pub(crate) fn fd_for(&self, buf: &[u8], offset: u64) -> Option<std::os::fd::RawFd> {
+        use std::os::fd::AsRawFd;
+        if offset.checked_add(buf.len() as u64)? > self.size {
+            return None;
+        }
+        match &self.direct {
+            None => Some(self.buffered.as_raw_fd()),
+            Some(d) if is_direct_aligned(buf, offset) => Some(d.as_raw_fd()),
+            Some(_) => None,
+        }
+    }
+
     /// Fills `buf` from `offset`. The range must lie inside the file.
     pub fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         let end = offset + buf.len() as u64;
@@ -178,6 +193,11 @@ impl AlignedBuf {
     pub fn slice_mut(&mut self, len: usize) -> &mut [u8] {
         self.ensure(len);
         &mut self.raw[self.start..self.start + len]
+    }
+
+    /// Bytes allocated, alignment slack included.
+    pub fn capacity(&self) -> usize {
+        self.raw.len()
     }
 
     pub fn as_slice(&self) -> &[u8] {

@@ -23,6 +23,8 @@ mod cache;
 mod cow_engine;
 mod error;
 mod io;
+mod readahead;
+mod uring;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -32,6 +34,7 @@ pub use cow_engine::{
 };
 pub use error::{EngineError, Result};
 pub use io::{AlignedBuf, DIRECT_ALIGN, ImageFile};
+pub use readahead::{Readahead, ReadaheadOptions};
 
 /// Block size of the COW format and the engine's preferred I/O granularity.
 pub const BLOCK_SIZE: usize = 4096;

@@ -4,6 +4,8 @@
 //!   thread never blocks on I/O, so the kernel can keep many requests in flight.
 //! * Files are opened with `FOPEN_DIRECT_IO`: the FUSE layer keeps no page cache of its
 //!   own (the loop device or file system above us caches; notes/serving.md §5.5).
+//! * Sequential streams are read ahead in the engine ([`engine::Readahead`]), so a
+//!   reader at queue depth 1 overlaps its requests with the engine's work.
 //! * `max_readahead`/`max_write` are 1 MiB so `max_pages` is 256, the kernel's cap, and
 //!   `FUSE_ASYNC_DIO` lets the loop driver's direct I/O be split into parallel requests.
 
@@ -12,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, UNIX_EPOCH};
 
-use engine::BlockDevice;
+use engine::{BlockDevice, Readahead, ReadaheadOptions};
 use fuser::{
     Config, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, INodeNo, InitFlags,
     KernelConfig, LockOwner, MountOption, OpenAccMode, OpenFlags, ReplyAttr, ReplyData,
@@ -39,6 +41,9 @@ pub struct FuseOptions {
     pub channel_threads: usize,
     /// Request threads doing the reads.
     pub workers: usize,
+    /// Read ahead of sequential streams (a loop device above us at queue depth 1 waits
+    /// for each request before it sends the next); `None` disables it.
+    pub readahead: Option<ReadaheadOptions>,
 }
 
 impl Default for FuseOptions {
@@ -47,6 +52,7 @@ impl Default for FuseOptions {
             file_name: "disk.img".into(),
             channel_threads: 1,
             workers: 16,
+            readahead: Some(ReadaheadOptions::default()),
         }
     }
 }
@@ -260,6 +266,12 @@ impl FuseExport {
         if is_mount_point(&dir)? {
             return Err(ServeError::Busy { path: dir });
         }
+        let dev: Arc<dyn BlockDevice> = match &opts.readahead {
+            Some(ra) => Arc::new(
+                Readahead::new(dev, ra.clone()).map_err(io_err("spawn readahead for", &dir))?,
+            ),
+            None => dev,
+        };
         let size = dev.size();
         let workers = {
             let dev = dev.clone();

@@ -81,21 +81,33 @@ impl<S: ReadAt + Send> VerityCheck<S> {
 
 impl<S: ReadAt + Send> engine::BlockVerifier for VerityCheck<S> {
     fn verify(&self, block: u64, data: &[u8]) -> Result<(), String> {
+        self.verify_blocks(block, data).map_err(|(_, msg)| msg)
+    }
+
+    /// All verity blocks of the run at once, so they are hashed in pairs; the
+    /// block reported is the engine block holding the first one that failed.
+    fn verify_blocks(&self, first_block: u64, data: &[u8]) -> Result<(), (u64, String)> {
         let dbs = self.data_block_size;
-        let first = block * self.per_block;
+        let first = first_block * self.per_block;
         let data_blocks = self.verifier.params().data_blocks;
-        for (i, chunk) in data.chunks(dbs).enumerate() {
-            let vblock = first + i as u64;
-            if chunk.len() != dbs || vblock >= data_blocks {
-                return Err(format!(
+        // The tree covers whole blocks below `data_blocks`; anything else is
+        // refused after the covered part has been checked, so the first bad
+        // block in the run is the one named.
+        let covered = ((data.len() / dbs) as u64).min(data_blocks.saturating_sub(first));
+        let (checked, rest) = data.split_at(covered as usize * dbs);
+        self.verifier
+            .verify_blocks(first, checked)
+            .map_err(|(vblock, e)| (vblock / self.per_block, e.to_string()))?;
+        if !rest.is_empty() {
+            let vblock = first + covered;
+            return Err((
+                vblock / self.per_block,
+                format!(
                     "bytes at offset {} are not covered by the hash tree ({data_blocks} data \
                      blocks of {dbs}); refusing to serve unverified data",
                     vblock * dbs as u64
-                ));
-            }
-            self.verifier
-                .verify(vblock, chunk)
-                .map_err(|e| e.to_string())?;
+                ),
+            ));
         }
         Ok(())
     }
@@ -143,6 +155,56 @@ mod tests {
         let e = c.verify(9, &data[9 * 4096..][..4096]).unwrap_err();
         assert!(e.contains(&format!("block {}", 9 * 8 + 7)), "{e}");
         c.verify(10, &data[10 * 4096..][..4096]).unwrap();
+    }
+
+    #[test]
+    fn batches_pass_good_data_and_name_the_bad_engine_block() {
+        for dbs in [4096u32, 512] {
+            let (mut data, params, tree, root) = setup(dbs, 300 * 4096);
+            let c = check(tree, &params, &root, data.len() as u64);
+            c.verify_blocks(0, &data).unwrap();
+            c.verify_blocks(3, &data[3 * 4096..264 * 4096]).unwrap();
+            // First, odd, middle and last engine block of the run from block 3.
+            for bad in [3usize, 7, 133, 263] {
+                data[bad * 4096 + 4095] ^= 0x04;
+                let (block, msg) = c.verify_blocks(3, &data[3 * 4096..264 * 4096]).unwrap_err();
+                assert_eq!(block, bad as u64, "dbs {dbs}: {msg}");
+                let vblock = (bad + 1) * (4096 / dbs as usize) - 1;
+                assert!(msg.contains(&format!("block {vblock}")), "{msg}");
+                assert_eq!(
+                    c.verify(bad as u64, &data[bad * 4096..][..4096])
+                        .unwrap_err(),
+                    msg
+                );
+                data[bad * 4096 + 4095] ^= 0x04;
+            }
+        }
+    }
+
+    #[test]
+    fn batch_with_a_partial_last_block() {
+        // 512-byte verity blocks protect a device that ends 1 KiB into engine
+        // block 8: the partial block is verified with the rest.
+        let (mut data, params, tree, root) = setup(512, 8 * 4096 + 1024);
+        let c = check(tree.clone(), &params, &root, data.len() as u64);
+        c.verify_blocks(5, &data[5 * 4096..]).unwrap();
+        data[8 * 4096 + 1000] ^= 1;
+        assert_eq!(c.verify_blocks(5, &data[5 * 4096..]).unwrap_err().0, 8);
+        data[8 * 4096 + 1000] ^= 1;
+        data[6 * 4096] ^= 1;
+        assert_eq!(c.verify_blocks(5, &data[5 * 4096..]).unwrap_err().0, 6);
+        data[6 * 4096] ^= 1;
+        // 4 KiB verity blocks cannot cover a partial block: the whole ones before
+        // it pass, then it is refused.
+        let (data, params, tree, root) = setup(4096, 8 * 4096);
+        let c = check(tree, &params, &root, 8 * 4096 + 1024);
+        let mut dev = data.clone();
+        dev.extend_from_slice(&[0; 1024]);
+        let (block, msg) = c.verify_blocks(5, &dev[5 * 4096..]).unwrap_err();
+        assert_eq!(block, 8);
+        assert!(msg.contains("not covered"), "{msg}");
+        dev[5 * 4096] ^= 1;
+        assert_eq!(c.verify_blocks(5, &dev[5 * 4096..]).unwrap_err().0, 5);
     }
 
     #[test]

@@ -1,0 +1,459 @@
+//! Bounded readahead for sequential streams over a [`BlockDevice`].
+//!
+//! A sequential reader at queue depth 1 (a loop device under `dd` or a file copy) waits
+//! for each request before sending the next, so the engine's per-request cost (source
+//! reads, then decompression, then the reply) adds up serially. Once a stream is seen,
+//! the next [`ReadaheadOptions::depth`] bytes are read by background threads in chunks,
+//! and requests that fall inside them are served from memory; the device then works on
+//! request N+1 while request N is copied out. Random reads do not trigger it (two requests
+//! of at least 32 KiB in a row must continue the stream); small ones bypass it.
+//!
+//! Memory stays bounded (chunks more than `depth` behind or ahead of the stream are
+//! dropped), data comes from the inner device's own `read_at` (verified, merge-aware),
+//! and the device is read-only, so a chunk can never be stale. A chunk whose read failed
+//! is not used: the request reads the device itself and reports that error.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+
+use crate::io::AlignedBuf;
+use crate::{BlockDevice, Result, check_range};
+
+/// Requests smaller than this are random reads (sequential readers above us send
+/// readahead-sized requests): they bypass the readahead entirely.
+const MIN_STREAM_REQUEST: u64 = 32 << 10;
+/// With more requests than this in flight the reader already keeps the device busy, and
+/// reading ahead would only add a copy: a loop device at queue depth 1 sends a 1 MiB read
+/// as two 512 KiB requests.
+const SHALLOW_QUEUE: usize = 4;
+/// Chunk buffers kept for reuse.
+const FREE_KEEP: usize = 16;
+
+/// Options of [`Readahead::new`].
+#[derive(Clone, Debug)]
+pub struct ReadaheadOptions {
+    /// Bytes read ahead of a sequential stream.
+    pub depth: u64,
+    /// Unit of background reads (a power of two; requests are not required to align).
+    pub chunk: usize,
+    /// Background reader threads (chunks in flight at once).
+    pub threads: usize,
+}
+
+impl Default for ReadaheadOptions {
+    fn default() -> Self {
+        ReadaheadOptions {
+            depth: 4 << 20,
+            chunk: 512 << 10,
+            threads: 4,
+        }
+    }
+}
+
+enum Slot {
+    Pending,
+    Ready(Arc<AlignedBuf>),
+    Failed,
+}
+
+struct State {
+    /// End of the stream: the highest end of the requests that continued it.
+    hi: u64,
+    /// Consecutive requests that continued the stream.
+    streak: u32,
+    /// Chunks by offset (few: depth / chunk ahead plus as many behind).
+    slots: Vec<(u64, Slot)>,
+    queue: VecDeque<u64>,
+    free: Vec<AlignedBuf>,
+    shutdown: bool,
+}
+
+struct Shared<D> {
+    inner: D,
+    opts: ReadaheadOptions,
+    state: Mutex<State>,
+    /// Requests currently inside `read_at`.
+    in_flight: AtomicUsize,
+    /// Signalled when a chunk is queued or on shutdown.
+    work: Condvar,
+    /// Signalled when a chunk leaves `Pending`.
+    done: Condvar,
+}
+
+/// A [`BlockDevice`] that reads ahead of sequential streams; see the module comment.
+pub struct Readahead<D: BlockDevice + 'static> {
+    shared: Arc<Shared<D>>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl<D: BlockDevice + 'static> std::fmt::Debug for Readahead<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Readahead")
+            .field("opts", &self.shared.opts)
+            .finish()
+    }
+}
+
+impl<D: BlockDevice + 'static> Readahead<D> {
+    /// Wraps `inner`; spawns the background readers.
+    pub fn new(inner: D, opts: ReadaheadOptions) -> std::io::Result<Readahead<D>> {
+        let opts = ReadaheadOptions {
+            chunk: opts.chunk.max(4096).next_power_of_two(),
+            threads: opts.threads.max(1),
+            ..opts
+        };
+        let shared = Arc::new(Shared {
+            inner,
+            opts,
+            state: Mutex::new(State {
+                hi: 0,
+                streak: 0,
+                slots: Vec::new(),
+                queue: VecDeque::new(),
+                free: Vec::new(),
+                shutdown: false,
+            }),
+            in_flight: AtomicUsize::new(0),
+            work: Condvar::new(),
+            done: Condvar::new(),
+        });
+        let mut threads = Vec::new();
+        for i in 0..shared.opts.threads {
+            let s = shared.clone();
+            let spawned = std::thread::Builder::new()
+                .name(format!("vabc-readahead-{i}"))
+                .spawn(move || s.run());
+            match spawned {
+                Ok(h) => threads.push(h),
+                Err(e) => {
+                    // Stop the ones already running before reporting.
+                    drop(Readahead { shared, threads });
+                    return Err(e);
+                }
+            }
+        }
+        Ok(Readahead { shared, threads })
+    }
+
+    pub fn inner(&self) -> &D {
+        &self.shared.inner
+    }
+
+    fn read_tracked(&self, buf: &mut [u8], offset: u64, end: u64) -> Result<()> {
+        let s = &self.shared;
+        let mut st = s.lock();
+        s.track(&mut st, offset, end);
+        let Some(chunks) = s.covering(st, offset, end) else {
+            return s.inner.read_at(buf, offset);
+        };
+        for (c, data) in chunks {
+            let from = offset.max(c);
+            let to = end.min(c + data.as_slice().len() as u64);
+            buf[(from - offset) as usize..(to - offset) as usize]
+                .copy_from_slice(&data.as_slice()[(from - c) as usize..(to - c) as usize]);
+        }
+        Ok(())
+    }
+}
+
+impl<D: BlockDevice + 'static> Drop for Readahead<D> {
+    fn drop(&mut self) {
+        self.shared.lock().shutdown = true;
+        self.shared.work.notify_all();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl<D: BlockDevice> Shared<D> {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // Poisoning means a reader panicked while holding plain bookkeeping; the slots
+        // are still consistent enough to serve or drop.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Background reader: takes queued chunks and reads them from the device.
+    fn run(&self) {
+        let mut st = self.lock();
+        loop {
+            if st.shutdown {
+                return;
+            }
+            let Some(off) = st.queue.pop_front() else {
+                st = self.work.wait(st).unwrap_or_else(|p| p.into_inner());
+                continue;
+            };
+            let mut buf = st.free.pop().unwrap_or_default();
+            drop(st);
+            let len = (self.opts.chunk as u64).min(self.inner.size() - off) as usize;
+            let ok = self.inner.read_at(buf.slice_mut(len), off).is_ok();
+            st = self.lock();
+            if let Some((_, slot)) = st.slots.iter_mut().find(|(o, _)| *o == off) {
+                *slot = if ok {
+                    Slot::Ready(Arc::new(buf))
+                } else {
+                    Slot::Failed
+                };
+            }
+            self.done.notify_all();
+        }
+    }
+
+    /// Updates the stream state for a request `[off, end)` and queues chunks ahead.
+    fn track(&self, st: &mut State, off: u64, end: u64) {
+        let depth = self.opts.depth;
+        let chunk = self.opts.chunk as u64;
+        // A request that lands past the stream's end or far behind it starts a new one.
+        let continues = off <= st.hi && off + depth.max(chunk) >= st.hi;
+        if continues {
+            st.streak = st.streak.saturating_add(1);
+            st.hi = st.hi.max(end);
+        } else {
+            st.streak = 0;
+            st.hi = end;
+        }
+        // Drop chunks the stream has left behind (or never reached, after a jump);
+        // pending ones go once their read completes.
+        let (lo, hi) = (st.hi.saturating_sub(depth), st.hi + depth);
+        let mut free = std::mem::take(&mut st.free);
+        st.slots.retain_mut(|(o, slot)| {
+            let keep = matches!(slot, Slot::Pending) || (*o + chunk > lo && *o < hi);
+            if !keep
+                && let Slot::Ready(buf) = std::mem::replace(slot, Slot::Failed)
+                && let Ok(buf) = Arc::try_unwrap(buf)
+                && free.len() < FREE_KEEP
+            {
+                free.push(buf);
+            }
+            keep
+        });
+        st.free = free;
+        if st.streak < 2 || self.in_flight.load(Ordering::Relaxed) > SHALLOW_QUEUE {
+            return;
+        }
+        let size = self.inner.size();
+        let mut c = st.hi.div_ceil(chunk) * chunk;
+        let mut queued = false;
+        while c < size && c < st.hi + depth {
+            if !st.slots.iter().any(|(o, _)| *o == c) {
+                st.slots.push((c, Slot::Pending));
+                st.queue.push_back(c);
+                queued = true;
+            }
+            c += chunk;
+        }
+        if queued {
+            self.work.notify_all();
+        }
+    }
+
+    /// The chunks covering `[off, end)` once none is pending, or `None` if some part is
+    /// not read ahead (or failed).
+    fn covering(
+        &self,
+        mut st: MutexGuard<'_, State>,
+        off: u64,
+        end: u64,
+    ) -> Option<Vec<(u64, Arc<AlignedBuf>)>> {
+        let chunk = self.opts.chunk as u64;
+        loop {
+            let mut out = Vec::new();
+            let mut c = off / chunk * chunk;
+            let mut pending = false;
+            while c < end {
+                match st.slots.iter().find(|(o, _)| *o == c) {
+                    Some((_, Slot::Ready(buf))) => out.push((c, buf.clone())),
+                    Some((_, Slot::Pending)) => pending = true,
+                    Some((_, Slot::Failed)) | None => return None,
+                }
+                c += chunk;
+            }
+            if !pending {
+                return Some(out);
+            }
+            st = self.done.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+}
+
+impl<D: BlockDevice + 'static> BlockDevice for Readahead<D> {
+    fn size(&self) -> u64 {
+        self.shared.inner.size()
+    }
+
+    fn block_size(&self) -> u32 {
+        self.shared.inner.block_size()
+    }
+
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        check_range(offset, buf.len(), self.size())?;
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let s = &self.shared;
+        if (buf.len() as u64) < MIN_STREAM_REQUEST {
+            // Random reads: straight through, without touching the shared state (a
+            // stream they interleave with keeps going).
+            return s.inner.read_at(buf, offset);
+        }
+        let end = offset + buf.len() as u64;
+        s.in_flight.fetch_add(1, Ordering::Relaxed);
+        let r = self.read_tracked(buf, offset, end);
+        s.in_flight.fetch_sub(1, Ordering::Relaxed);
+        r
+    }
+
+    fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
+        // Chunks may hold the old bytes: forget them all before writing.
+        self.shared
+            .lock()
+            .slots
+            .retain(|(_, slot)| matches!(slot, Slot::Pending));
+        self.shared.inner.write_at(buf, offset)
+    }
+
+    fn flush(&self) -> Result<()> {
+        self.shared.inner.flush()
+    }
+
+    fn is_read_only(&self) -> bool {
+        self.shared.inner.is_read_only()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    /// A device whose byte at `i` is a function of `i`, counting the bytes it serves.
+    struct Pattern {
+        size: u64,
+        served: AtomicU64,
+        fail_at: Option<u64>,
+    }
+
+    fn byte(i: u64) -> u8 {
+        (i.wrapping_mul(2_654_435_761) >> 7) as u8
+    }
+
+    impl BlockDevice for Pattern {
+        fn size(&self) -> u64 {
+            self.size
+        }
+        fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+            check_range(offset, buf.len(), self.size)?;
+            if let Some(f) = self.fail_at
+                && (offset..offset + buf.len() as u64).contains(&f)
+            {
+                return Err(crate::EngineError::Verify {
+                    block: f / 4096,
+                    msg: "bad block".into(),
+                });
+            }
+            for (i, b) in buf.iter_mut().enumerate() {
+                *b = byte(offset + i as u64);
+            }
+            self.served.fetch_add(buf.len() as u64, Ordering::Relaxed);
+            Ok(())
+        }
+    }
+
+    fn dev(size: u64, fail_at: Option<u64>) -> Readahead<Pattern> {
+        Readahead::new(
+            Pattern {
+                size,
+                served: AtomicU64::new(0),
+                fail_at,
+            },
+            ReadaheadOptions {
+                depth: 1 << 20,
+                chunk: 128 << 10,
+                threads: 2,
+            },
+        )
+        .unwrap()
+    }
+
+    fn check(d: &Readahead<Pattern>, off: u64, len: usize) {
+        let mut buf = vec![0u8; len];
+        d.read_at(&mut buf, off).unwrap();
+        for (i, b) in buf.iter().enumerate() {
+            assert_eq!(*b, byte(off + i as u64), "byte {} of {len} at {off}", i);
+        }
+    }
+
+    #[test]
+    fn sequential_streams_are_served_ahead_and_exact() {
+        // Size not a multiple of the chunk: the last chunk is short.
+        let size = (5 << 20) + 12_345;
+        let d = dev(size, None);
+        let mut off = 0u64;
+        // Unaligned request sizes, crossing chunk boundaries.
+        while off < size {
+            let len = (100_000u64).min(size - off) as usize;
+            check(&d, off, len);
+            off += len as u64;
+        }
+        // Read ahead at most `depth` past the end of the stream, i.e. never more than
+        // the image here, and the requests hit the chunks (not twice the bytes).
+        let served = d.inner().served.load(Ordering::Relaxed);
+        assert!(served <= size + (1 << 20), "{served}");
+        assert!(served >= size, "{served}");
+    }
+
+    #[test]
+    fn random_reads_do_not_read_ahead() {
+        let d = dev(64 << 20, None);
+        let mut x = 12345u64;
+        for _ in 0..200 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            check(&d, (x % (63 << 20)) / 4096 * 4096, 4096);
+        }
+        assert_eq!(d.inner().served.load(Ordering::Relaxed), 200 * 4096);
+    }
+
+    #[test]
+    fn concurrent_sequential_readers_and_failures() {
+        let size = 8 << 20;
+        // A bad byte inside the stream: the failed chunk is not used, the request that
+        // covers the byte reads the device and reports its error; the others succeed.
+        let d = Arc::new(dev(size, Some(3 << 20)));
+        let threads: Vec<_> = (0..4u64)
+            .map(|t| {
+                let d = d.clone();
+                std::thread::spawn(move || {
+                    let mut errors = 0;
+                    for i in 0..16u64 {
+                        // Two interleaved halves per MiB, as a loop device splits them.
+                        let off = i * (512 << 10) + t % 2 * 4096;
+                        let mut buf = vec![0u8; 256 << 10];
+                        match d.read_at(&mut buf, off) {
+                            Ok(()) => {
+                                for (k, b) in buf.iter().enumerate() {
+                                    assert_eq!(*b, byte(off + k as u64));
+                                }
+                            }
+                            Err(_) => {
+                                assert!((off..off + (256 << 10)).contains(&(3 << 20)));
+                                errors += 1;
+                            }
+                        }
+                    }
+                    errors
+                })
+            })
+            .collect();
+        for t in threads {
+            assert!(t.join().unwrap() <= 1);
+        }
+        check(&d, size - 10, 10);
+        let mut past = [0u8; 2];
+        assert!(d.read_at(&mut past, size - 1).is_err());
+    }
+}
