@@ -41,6 +41,27 @@ pub trait MergeIo {
         self.sync(dev)
     }
     fn stats(&self) -> IoStats;
+    /// Start reads that may still run while later calls (writes, syncs) do;
+    /// [`MergeIo::wait_reads`] returns once they completed. The default
+    /// reads at once.
+    ///
+    /// # Safety
+    /// Each `(offset, ptr, len)` names memory that stays valid and that
+    /// nobody reads, writes or moves until `wait_reads` has returned (or the
+    /// engine is dropped).
+    unsafe fn start_reads(&mut self, dev: Dev, reqs: &[(u64, *mut u8, usize)]) -> io::Result<()> {
+        let mut bufs: Vec<(u64, &mut [u8])> = reqs
+            .iter()
+            // SAFETY: the caller guarantees the memory is valid and unshared
+            // until `wait_reads`; it is used only during this call.
+            .map(|&(off, ptr, len)| (off, unsafe { std::slice::from_raw_parts_mut(ptr, len) }))
+            .collect();
+        self.read_many(dev, &mut bufs)
+    }
+    /// Wait for the reads of `start_reads`.
+    fn wait_reads(&mut self) -> io::Result<()> {
+        Ok(())
+    }
     /// Hint: this buffer will carry most data; an engine may register it
     /// with the kernel. It stays alive and unmoved until `unregister`.
     fn register(&mut self, _buf: &mut [u8]) -> io::Result<()> {

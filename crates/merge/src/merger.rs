@@ -5,7 +5,9 @@
 //! here and the other way round.
 //!
 //! One ordered window W (at most 510 ops):
-//! 1. read W's sources from the base (and XOR them with their payloads);
+//! 1. read W's sources from the base (and XOR them with their payloads) —
+//!    in fact started while the previous window is written, which the
+//!    merge order makes safe (no op reads a block an earlier op writes);
 //! 2. write them and their metadata into the scratch area, sync;
 //!    then `read_ahead_state = 2`, sync — W is now recoverable from the COW;
 //! 3. write W's destinations to the base, sync;
@@ -81,6 +83,16 @@ impl MergeReport {
     pub fn complete(&self) -> bool {
         self.merged == self.total_ops
     }
+}
+
+/// A window whose source reads were started (`Merge::start_sources`).
+struct Pending {
+    pos: usize,
+    n: usize,
+    /// Where each XOR op's stored payload starts in the payload buffer.
+    at: Vec<usize>,
+    /// First source offset (for error messages).
+    first: u64,
 }
 
 /// A validated merge of one COW into one base: everything that can be
@@ -215,7 +227,12 @@ impl<'a> Merge<'a> {
         if let Some(s) = &self.status {
             s.set_merged(pos as usize);
         }
-        let mut window = vec![0u8; self.window_cap.max(1) * BLOCK_SIZE];
+        // Two window buffers in one registered allocation: window N is
+        // written from one half while window N+1's sources are read into
+        // the other. XOR payloads of each half have their own buffer.
+        let cap = self.window_cap.max(1) * BLOCK_SIZE;
+        let mut window = vec![0u8; 2 * cap];
+        let mut stored: [Vec<u8>; 2] = [Vec::new(), Vec::new()];
         if self.window_cap > 0 {
             io.register(&mut window)
                 .map_err(|e| self.cow_io("register buffer", 0, e))?;
@@ -230,7 +247,7 @@ impl<'a> Merge<'a> {
                         .is_some_and(|f| f.load(Ordering::Relaxed))
             };
             if state == STATE_DONE && (pos as usize) < self.ordered {
-                let n = self.replay_window(io, pos as usize, &mut window)?;
+                let n = self.replay_window(io, pos as usize, &mut window[..cap])?;
                 if n > 0 {
                     pos += n as u64;
                     self.commit(io, &mut head, pos)?;
@@ -240,9 +257,45 @@ impl<'a> Merge<'a> {
                     progress(pos, total as u64);
                 }
             }
+            let mut half = 0;
+            let mut pending: Option<Pending> = None;
             while (pos as usize) < self.ordered && !out_of_budget(commits) {
                 let n = (self.ordered - pos as usize).min(self.window_cap);
-                self.merge_window(io, pos as usize, n, &mut window)?;
+                let (a, b) = window.split_at_mut(cap);
+                let (cur, other) = if half == 0 { (a, b) } else { (b, a) };
+                let p = match pending.take() {
+                    Some(p) => p,
+                    // SAFETY: `cur` and `stored[half]` are not touched
+                    // until `finish_sources` below waits for the reads.
+                    None => unsafe {
+                        self.start_sources(
+                            io,
+                            pos as usize,
+                            n,
+                            cur.as_mut_ptr(),
+                            &mut stored[half],
+                        )?
+                    },
+                };
+                debug_assert_eq!((p.pos, p.n), (pos as usize, n));
+                self.finish_sources(io, &p, cur, &stored[half])?;
+                // Read the next window's sources while this one is written:
+                // in a valid merge order (`Merge::new` checked it) no op
+                // reads a block an earlier op writes, so these writes cannot
+                // change what those reads return.
+                let next = pos as usize + n;
+                if next < self.ordered && !out_of_budget(commits + 1) {
+                    let m = (self.ordered - next).min(self.window_cap);
+                    // SAFETY: `other` and `stored[1 - half]` are left alone
+                    // until the next iteration's `finish_sources` waits for
+                    // these reads; `run` waits for them on every other path
+                    // before the buffers are dropped.
+                    pending = Some(unsafe {
+                        self.start_sources(io, next, m, other.as_mut_ptr(), &mut stored[1 - half])?
+                    });
+                }
+                self.merge_window(io, pos as usize, n, cur)?;
+                half = 1 - half;
                 pos += n as u64;
                 self.commit(io, &mut head, pos)?;
                 report.windows += 1;
@@ -259,8 +312,12 @@ impl<'a> Merge<'a> {
             report.commits = commits as u64;
             Ok(())
         })();
+        // Reads still in flight (a prefetch after the last commit of a
+        // bounded run, or an error) must finish before `window` is freed.
+        let waited = io.wait_reads();
         io.unregister();
         result?;
+        waited.map_err(|e| self.base_io("read sources", 0, e))?;
         report.merged = pos;
         report.io = io.stats();
         Ok(report)
@@ -284,14 +341,21 @@ impl<'a> Merge<'a> {
         }
     }
 
-    /// Read the sources of order[pos..pos+n] into `buf` (slot i = op i).
-    fn read_sources(
+    /// Start reading the sources of order[pos..pos+n] into `buf` (slot i =
+    /// op i) and the XOR payloads among them into `stored`.
+    ///
+    /// # Safety
+    /// `buf` points to at least `n` blocks; neither it nor `stored` is
+    /// read, written or moved until `finish_sources` (or `io.wait_reads`)
+    /// returned.
+    unsafe fn start_sources(
         &self,
         io: &mut dyn MergeIo,
         pos: usize,
         n: usize,
-        buf: &mut [u8],
-    ) -> Result<()> {
+        buf: *mut u8,
+        stored: &mut Vec<u8>,
+    ) -> Result<Pending> {
         let ops = &self.order[pos..pos + n];
         // Coalesce runs of consecutive source offsets into single reads.
         let mut runs: Vec<(u64, usize, usize)> = Vec::new(); // (offset, first slot, slots)
@@ -307,26 +371,62 @@ impl<'a> Merge<'a> {
                 _ => runs.push((off, i, 1)),
             }
         }
-        let mut reqs: Vec<(u64, &mut [u8])> = Vec::with_capacity(runs.len());
-        let mut rest: &mut [u8] = &mut buf[..n * BLOCK_SIZE];
-        for &(off, _, c) in &runs {
-            let (head, tail) = rest.split_at_mut(c * BLOCK_SIZE);
-            reqs.push((off, head));
-            rest = tail;
-        }
+        let mut reqs: Vec<(u64, *mut u8, usize)> = runs
+            .iter()
+            // Slot arithmetic stays inside the `n` blocks the caller gave.
+            .map(|&(off, s, c)| (off, buf.wrapping_add(s * BLOCK_SIZE), c * BLOCK_SIZE))
+            .collect();
         let first = runs.first().map_or(0, |r| r.0);
-        io.read_many(Dev::Base, &mut reqs)
+        // SAFETY: forwarded from the caller: the slots stay untouched until
+        // the reads are waited for.
+        unsafe { io.start_reads(Dev::Base, &reqs) }
             .map_err(|e| self.base_io("read sources", first, e))?;
-        let xors: Vec<&Op> = ops.iter().filter(|o| o.kind == OpKind::Xor).collect();
-        if xors.is_empty() {
-            return Ok(());
+        // XOR payloads: adjacent in the COW (the writer lays them out in op
+        // order) are one read.
+        let mut at = Vec::new();
+        let mut cow_runs: Vec<(u64, usize)> = Vec::new(); // (file offset, length)
+        let mut len = 0;
+        for op in ops.iter().filter(|o| o.kind == OpKind::Xor) {
+            at.push(len);
+            let l = op.data_length as usize;
+            match cow_runs.last_mut() {
+                Some((o, rl)) if *o + *rl as u64 == op.data_offset => *rl += l,
+                _ => cow_runs.push((op.data_offset, l)),
+            }
+            len += l;
         }
-        let (stored, at) = self.read_payloads(io, &xors)?;
+        stored.clear();
+        stored.resize(len, 0);
+        reqs.clear();
+        let mut p = 0;
+        for &(off, l) in &cow_runs {
+            reqs.push((off, stored.as_mut_ptr().wrapping_add(p), l));
+            p += l;
+        }
+        if !reqs.is_empty() {
+            // SAFETY: `stored` is not resized or touched until the reads are
+            // waited for (caller's contract).
+            unsafe { io.start_reads(Dev::Cow, &reqs) }
+                .map_err(|e| self.cow_io("read payloads", cow_runs[0].0, e))?;
+        }
+        Ok(Pending { pos, n, at, first })
+    }
+
+    /// Wait for the reads `start_sources` started and apply the XORs.
+    fn finish_sources(
+        &self,
+        io: &mut dyn MergeIo,
+        p: &Pending,
+        buf: &mut [u8],
+        stored: &[u8],
+    ) -> Result<()> {
+        io.wait_reads()
+            .map_err(|e| self.base_io("read sources", p.first, e))?;
         let mut payload = vec![0u8; BLOCK_SIZE];
         let mut k = 0;
-        for (i, op) in ops.iter().enumerate() {
+        for (i, op) in self.order[p.pos..p.pos + p.n].iter().enumerate() {
             if op.kind == OpKind::Xor {
-                let s = &stored[at[k]..at[k] + op.data_length as usize];
+                let s = &stored[p.at[k]..p.at[k] + op.data_length as usize];
                 self.cow.decode_payload(op, s, &mut payload)?;
                 xor_into(&mut buf[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE], &payload);
                 k += 1;
@@ -367,14 +467,7 @@ impl<'a> Merge<'a> {
         Ok((stored, at))
     }
 
-    fn merge_window(
-        &self,
-        io: &mut dyn MergeIo,
-        pos: usize,
-        n: usize,
-        buf: &mut [u8],
-    ) -> Result<()> {
-        self.read_sources(io, pos, n, buf)?;
+    fn merge_window(&self, io: &mut dyn MergeIo, pos: usize, n: usize, buf: &[u8]) -> Result<()> {
         // Publish: metadata + data, sync, then the state byte, sync.
         let mut meta = Vec::with_capacity((n + 1) * META_ENTRY);
         for (i, op) in self.order[pos..pos + n].iter().enumerate() {

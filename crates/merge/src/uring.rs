@@ -1,7 +1,7 @@
 //! io_uring engine: a window's reads go out as one batch, its writes as one
-//! batch followed by one fdatasync, with
-//! the window buffer registered once so data moves with READ/WRITE_FIXED.
-//! One `io_uring_enter` per batch instead of a syscall per block.
+//! batch followed by one fdatasync, with the window buffer registered once
+//! so data moves with READ/WRITE_FIXED. The queue is kept full (a completion
+//! makes room for the next entry) and entries go out in offset order.
 
 use std::fs::File;
 use std::io;
@@ -27,7 +27,19 @@ pub struct UringIo {
     stats: IoStats,
     /// Registered buffer: (start, len).
     fixed: Option<(usize, usize)>,
+    /// Background reads (`start_reads`): all of them, the next to submit,
+    /// how many are in flight, the first error, short transfers.
+    bg: Vec<Sqe>,
+    bg_next: usize,
+    bg_in_flight: usize,
+    bg_err: Option<io::Error>,
+    bg_short: Vec<usize>,
 }
+
+/// user_data tags: foreground entries carry their index, background reads
+/// their index with this bit, an fsync `FSYNC_TAG`.
+const BG_TAG: u64 = 1 << 62;
+const FSYNC_TAG: u64 = u64::MAX;
 
 struct Sqe {
     fd: i32,
@@ -49,6 +61,11 @@ impl UringIo {
             cow,
             stats: IoStats::default(),
             fixed: None,
+            bg: Vec::new(),
+            bg_next: 0,
+            bg_in_flight: 0,
+            bg_err: None,
+            bg_short: Vec::new(),
         })
     }
 
@@ -81,90 +98,170 @@ impl UringIo {
         }
     }
 
-    /// Submit `sqes` (and optionally a final fsync of `sync_fd`) in groups
-    /// that fit the ring, waiting for each group.
-    fn run(&mut self, sqes: &[Sqe], sync_fd: Option<i32>) -> io::Result<()> {
-        let total = sqes.len() + usize::from(sync_fd.is_some());
-        let mut next = 0;
-        while next < total {
-            let group_end = (next + self.depth).min(total);
-            let mut expected = Vec::with_capacity(group_end - next);
-            for i in next..group_end {
-                let e = if i < sqes.len() {
-                    self.entry(&sqes[i])
-                } else {
-                    let fd = sync_fd.unwrap_or_default();
-                    opcode::Fsync::new(types::Fd(fd))
-                        .flags(types::FsyncFlags::DATASYNC)
-                        .build()
-                };
-                let e = e.user_data(i as u64);
-                // SAFETY: every buffer pointer in `sqes` comes from a slice
-                // the caller keeps borrowed until this function returns, and
-                // we wait for all completions of the group below (or abort
-                // the process), so the kernel never touches memory after it
-                // is released. The queue has room: at most `depth` entries
-                // per group and the previous group was fully reaped.
-                unsafe {
-                    self.ring
-                        .submission()
-                        .push(&e)
-                        .map_err(|_| io::Error::other("io_uring submission queue full"))?;
-                }
-                expected.push(if i < sqes.len() { sqes[i].len } else { 0 });
-            }
-            let n = group_end - next;
-            self.submit_and_wait(n)?;
-            let mut done = 0;
-            let mut first_err: Option<io::Error> = None;
-            let mut short: Vec<usize> = Vec::new();
-            while done < n {
-                let cqes: Vec<(u64, i32)> = self
-                    .ring
-                    .completion()
-                    .map(|c| (c.user_data(), c.result()))
-                    .collect();
-                if cqes.is_empty() {
-                    self.submit_and_wait(1)?;
-                    continue;
-                }
-                for (ud, res) in cqes {
-                    done += 1;
-                    let i = ud as usize;
-                    if res < 0 {
-                        if first_err.is_none() && res != -libc::ECANCELED {
-                            first_err = Some(io::Error::from_raw_os_error(-res));
-                        }
-                    } else if (res as usize) < expected[i - next] {
-                        short.push(i);
-                    }
-                }
-            }
-            if let Some(e) = first_err {
-                return Err(e);
-            }
-            // Short transfers (rare: signals, EOF of a growing file) are
-            // finished synchronously.
-            for i in short {
-                let s = &sqes[i];
-                let file = if s.fd == self.base.as_raw_fd() {
-                    &self.base
-                } else {
-                    &self.cow
-                };
-                // SAFETY: the pointer and length come from a live slice the
-                // caller lent us for the duration of this call.
-                let buf = unsafe { std::slice::from_raw_parts_mut(s.ptr, s.len) };
-                if s.write {
-                    file.write_all_at(buf, s.off)?;
-                } else {
-                    file.read_exact_at(buf, s.off)?;
-                }
-                self.stats.syscalls += 1;
-            }
-            next = group_end;
+    /// Queue one entry. The caller keeps at most `depth` entries in flight
+    /// (foreground and background together), so the queue has room.
+    ///
+    /// # Safety
+    /// Any buffer the entry names must stay valid until its completion is
+    /// reaped.
+    unsafe fn push(&mut self, e: &squeue::Entry) -> io::Result<()> {
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            self.ring
+                .submission()
+                .push(e)
+                .map_err(|_| io::Error::other("io_uring submission queue full"))
+        }
+    }
+
+    /// Top up the ring with background reads while there is room.
+    fn fill_background(&mut self, fg_in_flight: usize) -> io::Result<()> {
+        while fg_in_flight + self.bg_in_flight < self.depth && self.bg_next < self.bg.len() {
+            let i = self.bg_next;
+            let e = self.entry(&self.bg[i]).user_data(BG_TAG | i as u64);
+            // SAFETY: `start_reads`' caller guarantees the buffers of `bg`
+            // live until `wait_reads`, which reaps every one of them.
+            unsafe { self.push(&e)? };
+            self.bg_next += 1;
+            self.bg_in_flight += 1;
         }
         Ok(())
+    }
+
+    /// Submit what is queued, wait for at least `want` completions and reap
+    /// them: background ones are settled here, the others returned as
+    /// (user_data, result).
+    fn reap(&mut self, want: usize) -> io::Result<Vec<(u64, i32)>> {
+        self.submit_and_wait(want)?;
+        let cqes: Vec<(u64, i32)> = self
+            .ring
+            .completion()
+            .map(|c| (c.user_data(), c.result()))
+            .collect();
+        let mut fg = Vec::with_capacity(cqes.len());
+        for (ud, res) in cqes {
+            if ud != FSYNC_TAG && ud & BG_TAG != 0 {
+                self.bg_in_flight -= 1;
+                let i = (ud & !BG_TAG) as usize;
+                if res < 0 {
+                    if self.bg_err.is_none() && res != -libc::ECANCELED {
+                        self.bg_err = Some(io::Error::from_raw_os_error(-res));
+                    }
+                } else if (res as usize) < self.bg[i].len {
+                    self.bg_short.push(i);
+                }
+            } else {
+                fg.push((ud, res));
+            }
+        }
+        Ok(fg)
+    }
+
+    /// Run `sqes` keeping up to `depth` entries in flight: completions make
+    /// room for the next entries at once, instead of waiting for a whole
+    /// group. Entries go out sorted by file and offset so that neighbours
+    /// reach the device together and the block layer can merge them.
+    /// Background reads share the ring, foreground entries first.
+    fn run(&mut self, sqes: &[Sqe]) -> io::Result<()> {
+        let mut order: Vec<usize> = (0..sqes.len()).collect();
+        order.sort_by_key(|&i| (sqes[i].fd, sqes[i].off));
+        let mut next = 0;
+        let mut in_flight = 0;
+        let mut first_err: Option<io::Error> = None;
+        let mut short: Vec<usize> = Vec::new();
+        loop {
+            // After an error nothing new goes out, but what is in flight is
+            // still reaped: the kernel may own those buffers until then.
+            while first_err.is_none()
+                && in_flight + self.bg_in_flight < self.depth
+                && next < order.len()
+            {
+                let i = order[next];
+                let e = self.entry(&sqes[i]).user_data(i as u64);
+                // SAFETY: every buffer pointer in `sqes` comes from a slice
+                // the caller keeps borrowed until this function returns, and
+                // we reap every submitted entry below before returning (or
+                // abort the process), so the kernel never touches memory
+                // after it is released.
+                unsafe { self.push(&e)? };
+                next += 1;
+                in_flight += 1;
+            }
+            self.fill_background(in_flight)?;
+            if in_flight == 0 && (next == order.len() || first_err.is_some()) {
+                break;
+            }
+            // Wait for half of what is in flight: room for a useful refill
+            // at a fraction of the io_uring_enter calls of one per entry.
+            for (ud, res) in self.reap(in_flight.div_ceil(2).max(1))? {
+                in_flight -= 1;
+                let i = ud as usize;
+                if res < 0 {
+                    if first_err.is_none() && res != -libc::ECANCELED {
+                        first_err = Some(io::Error::from_raw_os_error(-res));
+                    }
+                } else if (res as usize) < sqes[i].len {
+                    short.push(i);
+                }
+            }
+        }
+        if let Some(e) = first_err {
+            return Err(e);
+        }
+        for i in short {
+            self.finish_short(&sqes[i])?;
+        }
+        Ok(())
+    }
+
+    /// Short transfers (rare: signals, EOF of a growing file) are finished
+    /// synchronously.
+    fn finish_short(&mut self, s: &Sqe) -> io::Result<()> {
+        let file = if s.fd == self.base.as_raw_fd() {
+            &self.base
+        } else {
+            &self.cow
+        };
+        // SAFETY: the pointer and length come from a live slice the caller
+        // lent us (or, for background reads, guaranteed live until
+        // `wait_reads` returns); its I/O has completed.
+        let buf = unsafe { std::slice::from_raw_parts_mut(s.ptr, s.len) };
+        if s.write {
+            file.write_all_at(buf, s.off)?;
+        } else {
+            file.read_exact_at(buf, s.off)?;
+        }
+        self.stats.syscalls += 1;
+        Ok(())
+    }
+
+    /// fdatasync of `fd` once every foreground entry before it completed, so
+    /// it covers all of them (no links needed). Background reads may run
+    /// alongside.
+    fn fsync(&mut self, fd: i32) -> io::Result<()> {
+        self.stats.fsyncs += 1;
+        while self.bg_in_flight >= self.depth {
+            // Make room: the fsync needs one slot.
+            let _ = self.reap(1)?;
+        }
+        let e = opcode::Fsync::new(types::Fd(fd))
+            .flags(types::FsyncFlags::DATASYNC)
+            .build()
+            .user_data(FSYNC_TAG);
+        // SAFETY: an fsync entry carries no buffer.
+        unsafe { self.push(&e)? };
+        loop {
+            for (ud, res) in self.reap(1)? {
+                if ud == FSYNC_TAG {
+                    return if res < 0 {
+                        Err(io::Error::from_raw_os_error(-res))
+                    } else {
+                        Ok(())
+                    };
+                }
+            }
+            self.fill_background(1)?;
+        }
     }
 
     fn split(fd: i32, off: u64, ptr: *mut u8, len: usize, write: bool, out: &mut Vec<Sqe>) {
@@ -202,10 +299,9 @@ impl UringIo {
         // The writes of one batch never overlap (the merge writes each
         // destination and scratch range once per batch), so they need no
         // ordering among themselves; the sync follows once they completed.
-        self.run(&sqes, None)?;
+        self.run(&sqes)?;
         if sync {
-            self.stats.fsyncs += 1;
-            self.run(&[], Some(fd))?;
+            self.fsync(fd)?;
         }
         Ok(())
     }
@@ -258,7 +354,7 @@ impl MergeIo for UringIo {
             Self::split(fd, *off, buf.as_mut_ptr(), buf.len(), false, &mut sqes);
         }
         self.count(&sqes);
-        self.run(&sqes, None)
+        self.run(&sqes)
     }
 
     fn write_many(&mut self, dev: Dev, reqs: &[(u64, &[u8])]) -> io::Result<()> {
@@ -267,8 +363,7 @@ impl MergeIo for UringIo {
 
     fn sync(&mut self, dev: Dev) -> io::Result<()> {
         let fd = self.fd(dev);
-        self.stats.fsyncs += 1;
-        self.run(&[], Some(fd))
+        self.fsync(fd)
     }
 
     /// The batch of writes, then one fdatasync.
@@ -278,6 +373,42 @@ impl MergeIo for UringIo {
 
     fn stats(&self) -> IoStats {
         self.stats
+    }
+
+    unsafe fn start_reads(&mut self, dev: Dev, reqs: &[(u64, *mut u8, usize)]) -> io::Result<()> {
+        // Batches add up until `wait_reads`; indices into `bg` stay valid.
+        let fd = self.fd(dev);
+        let mut sqes = Vec::with_capacity(reqs.len());
+        for &(off, ptr, len) in reqs {
+            Self::split(fd, off, ptr, len, false, &mut sqes);
+        }
+        sqes.sort_by_key(|s| s.off);
+        self.count(&sqes);
+        self.bg.extend(sqes);
+        self.fill_background(0)?;
+        // Hand them to the kernel now; completions are reaped by later calls.
+        self.stats.syscalls += 1;
+        self.ring.submit()?;
+        Ok(())
+    }
+
+    fn wait_reads(&mut self) -> io::Result<()> {
+        while self.bg_next < self.bg.len() || self.bg_in_flight > 0 {
+            self.fill_background(0)?;
+            let fg = self.reap(self.bg_in_flight.div_ceil(2).max(1))?;
+            debug_assert!(fg.is_empty(), "foreground completion outside run");
+        }
+        let err = self.bg_err.take();
+        let short = std::mem::take(&mut self.bg_short);
+        let bg = std::mem::take(&mut self.bg);
+        self.bg_next = 0;
+        if let Some(e) = err {
+            return Err(e);
+        }
+        for i in short {
+            self.finish_short(&bg[i])?;
+        }
+        Ok(())
     }
 
     fn register(&mut self, buf: &mut [u8]) -> io::Result<()> {
@@ -306,6 +437,9 @@ impl MergeIo for UringIo {
 
 impl Drop for UringIo {
     fn drop(&mut self) {
+        // Background reads still running would write into memory their
+        // owner may free next: reap them first.
+        let _ = self.wait_reads();
         self.unregister();
     }
 }
