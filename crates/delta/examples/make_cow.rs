@@ -1,6 +1,7 @@
 //! Write a COW with explicit planner knobs, for tuning on the corpus:
 //! `make_cow OLD NEW OUT VERSION CODEC FACTOR [XOR_MAX_PERCENT] [ANCHOR_BITS]`
-//! (XOR_MAX_PERCENT 0 = no XOR). Prints census, sizes and times.
+//! (XOR_MAX_PERCENT 0 = no XOR; env EST=lz4|zstd:LEVEL picks the XOR/REPLACE
+//! estimator, VOTED the voted candidates). Prints census, sizes and times.
 use std::path::Path;
 use std::time::Instant;
 
@@ -17,13 +18,23 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let old = ImageFile::open(Path::new(&a[1]), false)?;
     let new = ImageFile::open(Path::new(&a[2]), false)?;
-    let mut p = PlanOptions::default();
+    let compression: cow::Compression = a[5].parse()?;
+    let mut p = PlanOptions {
+        estimator: delta::Estimator::for_codec(compression.codec),
+        ..PlanOptions::default()
+    };
     if let Some(x) = a.get(7) {
         p.xor_max_percent = x.parse()?;
         p.xor = p.xor_max_percent > 0;
     }
     if let Some(x) = a.get(8) {
         p.anchor_bits = x.parse()?;
+    }
+    if let Ok(v) = std::env::var("EST") {
+        p.estimator = match v.split_once(':') {
+            Some(("zstd", l)) => delta::Estimator::Zstd(l.parse()?),
+            _ => delta::Estimator::Lz4,
+        };
     }
     if let Ok(v) = std::env::var("VOTED") {
         p.voted_candidates = v.parse()?;
@@ -33,7 +44,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let tp = t.elapsed().as_secs_f64();
     let c = CowOptions {
         version: a[4].parse()?,
-        compression: a[5].parse()?,
+        compression,
         compression_factor: a[6].parse()?,
         threads: 0,
     };

@@ -13,7 +13,7 @@
 //!   padding, repeated tables) are dropped: they vote for nothing useful.
 //!
 //! Memory: 16 B × non-zero OLD blocks + 16 B × OLD bytes / 2^anchor_bits,
-//! i.e. about 0.4% + 6.25% of OLD at the default `anchor_bits` = 8 before
+//! i.e. about 0.4% + 25% of OLD at the default `anchor_bits` = 6 before
 //! the duplicate filter. OLD itself is read with positioned reads and never
 //! held.
 
@@ -215,7 +215,8 @@ impl OldIndex {
         blocks.par_sort_unstable();
         anc.par_sort_unstable();
         // Drop anchors whose hash is too common to point anywhere useful.
-        let mut kept = Vec::with_capacity(anc.len());
+        // Compacted in place: a second vector would double the peak.
+        let mut kept = 0;
         let mut i = 0;
         while i < anc.len() {
             let h = anc[i].0;
@@ -224,11 +225,14 @@ impl OldIndex {
                 j += 1;
             }
             if j - i <= MAX_ANCHOR_DUP {
-                kept.extend_from_slice(&anc[i..j]);
+                anc.copy_within(i..j, kept);
+                kept += j - i;
             }
             i = j;
         }
-        kept.shrink_to_fit();
+        anc.truncate(kept);
+        anc.shrink_to_fit();
+        let kept = anc;
         progress.finish();
         Ok(OldIndex {
             blocks: Table::new(blocks, 0),

@@ -7,7 +7,7 @@
 
 use delta::order::verify_order;
 use delta::sim::merge_in_place;
-use delta::{BLOCK_SIZE, BlockOp, MemImage, NoProgress, Plan, PlanOptions};
+use delta::{BLOCK_SIZE, BlockOp, Estimator, MemImage, NoProgress, Plan, PlanOptions};
 use proptest::prelude::*;
 
 const BS: usize = BLOCK_SIZE;
@@ -165,11 +165,16 @@ fn make_pair(
 }
 
 fn plan_with(old: &[u8], new: &[u8], threads: usize, xor: bool) -> Plan {
+    plan_est(old, new, threads, xor, PlanOptions::default().estimator)
+}
+
+fn plan_est(old: &[u8], new: &[u8], threads: usize, xor: bool, estimator: Estimator) -> Plan {
     let o = MemImage::new("old", old.to_vec());
     let n = MemImage::new("new", new.to_vec());
     let opts = PlanOptions {
         threads,
         xor,
+        estimator,
         ..PlanOptions::default()
     };
     delta::plan(&o, &n, &opts, &NoProgress).unwrap()
@@ -204,9 +209,11 @@ proptest! {
         edits in proptest::collection::vec(edit(), 0..6),
         grow in -6i64..6,
         xor in any::<bool>(),
+        lz4_estimates in any::<bool>(),
     ) {
         let (old, new) = make_pair(seed, blocks, &edits, grow);
-        let plan = plan_with(&old, &new, 2, xor);
+        let est = if lz4_estimates { Estimator::Lz4 } else { Estimator::Zstd(1) };
+        let plan = plan_est(&old, &new, 2, xor, est);
         check(&old, &new, &plan);
         if !xor {
             let no_xor = plan.ops.iter().all(|o| !matches!(o.op, BlockOp::Xor { .. }));
