@@ -32,8 +32,11 @@ NEW=$CORPUS/$PAIR/new.ext4.img
 
 cargo build --release -q -p vabc
 VABC=${CARGO_TARGET_DIR:-target}/release/vabc
-COW=$WORK/$PAIR.cow
-[ -f "$COW" ] && [ "$COW" -nt "$NEW" ] || "$VABC" diff "$OLD" "$NEW" -o "$COW" >/dev/null
+# lz4 by default: the codec Android devices decode at boot (zstd:19, our diff default,
+# makes a smaller COW that costs more CPU per served XOR/REPLACE block).
+CODEC=${CODEC:-lz4}
+COW=$WORK/$PAIR.${CODEC//:/-}.cow
+[ -f "$COW" ] && [ "$COW" -nt "$NEW" ] || "$VABC" diff --compression "$CODEC" "$OLD" "$NEW" -o "$COW" >/dev/null
 SIZE=$(stat -c %s "$NEW")
 
 LOOP="" DAEMON="" MNT=""
@@ -147,7 +150,7 @@ fi
 
 ratio() { if [[ $1 =~ ^[0-9]+$ && $2 =~ ^[1-9][0-9]*$ ]]; then echo "scale=2; $1 / $2" | bc -l; else echo -; fi; }
 echo
-echo "pair $PAIR: new.ext4.img $((SIZE / 1048576)) MiB, COW $(($(stat -c %s "$COW") / 1048576)) MiB; $(nproc) CPUs, load $(cut -d' ' -f1 /proc/loadavg)"
+echo "pair $PAIR: new.ext4.img $((SIZE / 1048576)) MiB, COW $(($(stat -c %s "$COW") / 1048576)) MiB ($CODEC); $(nproc) CPUs, load $(cut -d' ' -f1 /proc/loadavg)"
 echo
 echo "| config | seq 1M QD1 MiB/s | seq 1M QD8 MiB/s | rand 4K QD1 IOPS | rand 4K QD32 IOPS | page-cache copies after one full read (MiB per layer) |"
 echo "|---|---|---|---|---|---|"
@@ -159,4 +162,4 @@ echo
 echo "vabc / loop-raw, seq 1M QD1: $(ratio "${R[vabc.seq1]}" "${R[loop-raw.seq1]}")  QD8: $(ratio "${R[vabc.seq8]}" "${R[loop-raw.seq8]}")   (target >= 0.8)"
 echo "vabc / qsd, rand 4K QD32: $(ratio "${R[vabc.rnd32]}" "${R[qsd.rnd32]}")   QD1: $(ratio "${R[vabc.rnd1]}" "${R[qsd.rnd1]}")   (target >= 1.5)"
 echo
-echo "reproduce: sudo RUNTIME=$RUNTIME SEQ_SIZE=$SEQ_SIZE CONFIGS=\"$CONFIGS\" JOBS=\"$JOBS\" bench/serve.sh $PAIR"
+echo "reproduce: sudo CODEC=$CODEC RUNTIME=$RUNTIME SEQ_SIZE=$SEQ_SIZE CONFIGS=\"$CONFIGS\" JOBS=\"$JOBS\" bench/serve.sh $PAIR"

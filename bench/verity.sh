@@ -16,15 +16,16 @@
 # SERVE_CHANGES scattered MiB (COW by `vabc diff`, lz4), served as a device
 # serves it: `vabc serve --base --cow` (CowEngine over base + COW), plain and
 # with --verity-hash (tree of the new image by `vabc verity format`), each
-# exporting FUSE and NBD. The base is read --buffered, so only the page cache
-# state differs between warm and cold runs (cold reads go through kernel
-# readahead); SERVE_DIRECT=1 serves with O_DIRECT (vabc serve's default)
-# instead. Each run reads the whole device sequentially from both daemons,
+# exporting FUSE and NBD. The base is read with O_DIRECT, vabc serve's
+# default, so warm and cold differ in the COW and hash tree being cached;
+# SERVE_DIRECT=0 serves with --buffered instead, where a warm base makes
+# unverified serving a memcpy and hashing the whole difference (the worst
+# case for the ratio). Each run reads the whole device sequentially from both daemons,
 # alternating: `dd bs=1M iflag=direct` on the FUSE file (one request at a
 # time) and `nbdcopy` to null: (many in flight). Two cache states, each with
 # its verified/unverified ratio (target: >= 0.85):
-#  - warm: base, COW and hash file in the page cache and the daemons kept up,
-#    so unverified serving is a memcpy and hashing is the whole difference;
+#  - warm: files in the page cache (with SERVE_DIRECT=0 the base too) and the
+#    daemons kept up;
 #  - cold, as at boot: the page cache is dropped (`sync; echo 3 >
 #    /proc/sys/vm/drop_caches`) after a fresh daemon starts, before each read,
 #    so data and hash tree come from the disk while being served.
@@ -124,7 +125,7 @@ if part warm || part cold; then
 	command -v nbdcopy >/dev/null || { echo "nbdcopy missing: apt-get install -y libnbd-bin" >&2; exit 1; }
 	SERVE_CHANGES=${SERVE_CHANGES:-64}
 	SERVE_IO=(--buffered)
-	[ "${SERVE_DIRECT:-0}" = 1 ] && SERVE_IO=()
+	[ "${SERVE_DIRECT:-1}" = 1 ] && SERVE_IO=()
 	NEW=$WORK/serve-new.img
 	if [ ! -f "$NEW" ] || [ "$NEW" -ot "$DATA" ]; then
 		cp "$DATA" "$NEW.tmp"
