@@ -3,6 +3,7 @@
 use clap::{Parser, Subcommand};
 
 mod cmd;
+mod output;
 mod progress;
 
 #[derive(Parser)]

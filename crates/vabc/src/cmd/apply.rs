@@ -82,25 +82,13 @@ pub fn run(a: Args) -> Result<ExitCode> {
         out.sync_all()
             .with_context(|| format!("fsync {}", a.output.display()))?;
     } else {
-        let dir = match a.output.parent() {
-            Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
-            _ => PathBuf::from("."),
-        };
         // Dropped (and so deleted) on any error: no half-written output.
-        let tmp = tempfile::Builder::new()
-            .prefix(".vabc-apply-")
-            .suffix(".tmp")
-            .tempfile_in(&dir)
-            .with_context(|| format!("cannot create a temporary file in {}", dir.display()))?;
+        let tmp = crate::output::temp_beside(&a.output)?;
         tmp.as_file()
             .set_len(size)
             .with_context(|| format!("cannot size {}", tmp.path().display()))?;
         view.write_to(tmp.as_file(), tmp.path(), &report)?;
-        tmp.as_file()
-            .sync_all()
-            .with_context(|| format!("fsync {}", tmp.path().display()))?;
-        tmp.persist(&a.output)
-            .with_context(|| format!("cannot rename into {}", a.output.display()))?;
+        crate::output::commit(tmp, &a.output)?;
     }
     bar.finish_and_clear();
     eprintln!(

@@ -212,15 +212,7 @@ pub(crate) fn format_default(
     let layout = params.layout()?;
     let uuid = verity::random_uuid()?;
     let tree_off = opts.tree_offset(&params);
-    let dir = match hashfile.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    let tmp = tempfile::Builder::new()
-        .prefix(".vabc-verity.")
-        .suffix(".tmp")
-        .tempfile_in(&dir)
-        .with_context(|| format!("create a temporary file in {}", dir.display()))?;
+    let tmp = crate::output::temp_beside(hashfile)?;
     let sb = Superblock {
         params: params.clone(),
         uuid,
@@ -239,9 +231,7 @@ pub(crate) fn format_default(
     tmp.as_file()
         .set_len(tree_off + layout.tree_size())
         .context("size the temporary hash file")?;
-    tmp.as_file().sync_all().context("sync temporary file")?;
-    tmp.persist(hashfile)
-        .with_context(|| format!("rename temporary file to {}", hashfile.display()))?;
+    crate::output::commit(tmp, hashfile)?;
     Ok(Formatted {
         params,
         root,
@@ -346,20 +336,7 @@ fn format(a: FormatArgs) -> Result<ExitCode> {
             root
         }
         _ => {
-            let dir = match a.hashfile.parent() {
-                Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-                _ => PathBuf::from("."),
-            };
-            let name = a
-                .hashfile
-                .file_name()
-                .map(|n| n.to_string_lossy().into_owned())
-                .unwrap_or_default();
-            let tmp = tempfile::Builder::new()
-                .prefix(&format!(".{name}."))
-                .suffix(".tmp")
-                .tempfile_in(&dir)
-                .with_context(|| format!("create a temporary file in {}", dir.display()))?;
+            let tmp = crate::output::temp_beside(&a.hashfile)?;
             if existing.is_some() && o.hash_offset > 0 {
                 // Keep what precedes the hash area (e.g. the data itself when
                 // the tree is appended to the image).
@@ -385,9 +362,7 @@ fn format(a: FormatArgs) -> Result<ExitCode> {
                     .set_permissions(md.permissions())
                     .context("copy permissions to the temporary file")?;
             }
-            tmp.as_file().sync_all().context("sync temporary file")?;
-            tmp.persist(&a.hashfile)
-                .with_context(|| format!("rename temporary file to {}", a.hashfile.display()))?;
+            crate::output::commit(tmp, &a.hashfile)?;
             root
         }
     };
