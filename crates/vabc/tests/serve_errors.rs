@@ -3,6 +3,7 @@
 
 mod serve_common;
 
+use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -15,6 +16,20 @@ struct Setup {
     new: PathBuf,
     cow: PathBuf,
     size: u64,
+}
+
+impl Setup {
+    /// `--base OLD --cow COW` followed by `rest`.
+    fn args<'a>(&'a self, rest: &[&'a OsStr]) -> Vec<&'a OsStr> {
+        let mut v = vec![
+            os("--base"),
+            self.old.as_os_str(),
+            os("--cow"),
+            self.cow.as_os_str(),
+        ];
+        v.extend_from_slice(rest);
+        v
+    }
 }
 
 fn setup() -> Setup {
@@ -37,7 +52,7 @@ fn setup() -> Setup {
 }
 
 /// Runs `vabc serve ARGS` to completion; it must fail. Returns stderr.
-fn serve_fails(args: &[&std::ffi::OsStr]) -> String {
+fn serve_fails(args: &[&OsStr]) -> String {
     let out = Command::new(vabc())
         .arg("serve")
         .args(args)
@@ -127,16 +142,12 @@ fn base_of_the_wrong_size_is_refused() {
         "{err}"
     );
     // A size smaller than the COW covers is refused as well.
-    let err = serve_fails(&[
-        os("--base"),
-        s.old.as_os_str(),
-        os("--cow"),
-        s.cow.as_os_str(),
+    let err = serve_fails(&s.args(&[
         os("--size"),
         os("4096"),
         os("--fuse"),
         s.t.join("fuse").as_os_str(),
-    ]);
+    ]));
     assert!(err.contains("smaller than"), "{err}");
     assert_nothing_left(&s.t);
 }
@@ -145,24 +156,10 @@ fn base_of_the_wrong_size_is_refused() {
 fn nonexistent_mount_point_is_refused() {
     let s = setup();
     let nowhere = s.t.join("does-not-exist");
-    let err = serve_fails(&[
-        os("--base"),
-        s.old.as_os_str(),
-        os("--cow"),
-        s.cow.as_os_str(),
-        os("--mount"),
-        nowhere.as_os_str(),
-    ]);
+    let err = serve_fails(&s.args(&[os("--mount"), nowhere.as_os_str()]));
     assert!(err.contains("does-not-exist"), "{err}");
     assert!(!nowhere.exists());
-    let err = serve_fails(&[
-        os("--base"),
-        s.old.as_os_str(),
-        os("--cow"),
-        s.cow.as_os_str(),
-        os("--fuse"),
-        nowhere.as_os_str(),
-    ]);
+    let err = serve_fails(&s.args(&[os("--fuse"), nowhere.as_os_str()]));
     assert!(err.contains("does-not-exist"), "{err}");
     assert_nothing_left(&s.t);
 }
@@ -173,41 +170,26 @@ fn second_serve_on_a_busy_mount_point_is_refused() {
     let target = s.t.join("target");
     let fuse2 = s.t.join("fuse2");
     std::fs::create_dir_all(&fuse2).unwrap();
-    let first = Server::start(&[
-        os("--base"),
-        s.old.as_os_str(),
-        os("--cow"),
-        s.cow.as_os_str(),
+    let first = Server::start(&s.args(&[
         os("--fuse"),
         s.t.join("fuse").as_os_str(),
         os("--mount"),
         target.as_os_str(),
-    ]);
+    ]));
     let before = mounts_under(&s.t);
     // Same mount target.
-    let err = serve_fails(&[
-        os("--base"),
-        s.old.as_os_str(),
-        os("--cow"),
-        s.cow.as_os_str(),
+    let err = serve_fails(&s.args(&[
         os("--fuse"),
         fuse2.as_os_str(),
         os("--mount"),
         target.as_os_str(),
-    ]);
+    ]));
     assert!(
         err.contains("already a mount point") && err.contains("target"),
         "{err}"
     );
     // Same FUSE directory.
-    let err = serve_fails(&[
-        os("--base"),
-        s.old.as_os_str(),
-        os("--cow"),
-        s.cow.as_os_str(),
-        os("--fuse"),
-        s.t.join("fuse").as_os_str(),
-    ]);
+    let err = serve_fails(&s.args(&[os("--fuse"), s.t.join("fuse").as_os_str()]));
     assert!(err.contains("already a mount point"), "{err}");
     assert_eq!(
         mounts_under(&s.t),
@@ -226,33 +208,12 @@ fn second_serve_on_a_busy_mount_point_is_refused() {
 #[test]
 fn bad_nbd_address_and_busy_socket_are_refused() {
     let s = setup();
-    let err = serve_fails(&[
-        os("--base"),
-        s.old.as_os_str(),
-        os("--cow"),
-        s.cow.as_os_str(),
-        os("--nbd"),
-        os("udp:1"),
-    ]);
+    let err = serve_fails(&s.args(&[os("--nbd"), os("udp:1")]));
     assert!(err.contains("udp:1"), "{err}");
     let sock = s.t.join("nbd.sock");
     let addr = format!("unix:{}", sock.display());
-    let first = Server::start(&[
-        os("--base"),
-        s.old.as_os_str(),
-        os("--cow"),
-        s.cow.as_os_str(),
-        os("--nbd"),
-        os(&addr),
-    ]);
-    let err = serve_fails(&[
-        os("--base"),
-        s.old.as_os_str(),
-        os("--cow"),
-        s.cow.as_os_str(),
-        os("--nbd"),
-        os(&addr),
-    ]);
+    let first = Server::start(&s.args(&[os("--nbd"), os(&addr)]));
+    let err = serve_fails(&s.args(&[os("--nbd"), os(&addr)]));
     assert!(err.contains("nbd.sock"), "{err}");
     assert!(first.stop().success());
     assert!(!Path::new(&sock).exists());
