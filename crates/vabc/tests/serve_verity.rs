@@ -10,14 +10,13 @@ mod serve_common;
 
 use std::collections::BTreeSet;
 use std::fs::File;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::os::unix::fs::FileExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
 
-use serve_common::{BS, assert_nothing_left, os, run, sigterm, vabc};
+use serve_common::{BS, Server, assert_nothing_left, os, run, vabc};
 
 /// 4 MiB: 1024 data blocks, so the sha256 tree has 8 leaf blocks of 128 digests
 /// under one top block.
@@ -153,69 +152,6 @@ fn find_block(file: &[u8], block: &[u8]) -> u64 {
     at.expect("REPLACE payload stored raw in the COW")
 }
 
-/// A `vabc serve` child with stderr captured to a file, stopped on drop.
-struct Daemon {
-    child: Option<Child>,
-    stderr: PathBuf,
-}
-
-impl Daemon {
-    fn start(args: &[&std::ffi::OsStr], stderr: &Path) -> Daemon {
-        let mut child = Command::new(vabc())
-            .arg("serve")
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(File::create(stderr).unwrap())
-            .spawn()
-            .unwrap();
-        let out = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let mut d = Daemon {
-            child: Some(child),
-            stderr: stderr.to_path_buf(),
-        };
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            match rx.recv_timeout(Duration::from_millis(200)) {
-                Ok(line) if line.contains("ready") => return d,
-                Ok(_) => {}
-                Err(_) => {
-                    if let Some(st) = d.child.as_mut().unwrap().try_wait().unwrap() {
-                        panic!("vabc serve exited with {st}: {}", d.log());
-                    }
-                    assert!(Instant::now() < deadline, "vabc serve not ready after 60 s");
-                }
-            }
-        }
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.stderr).unwrap_or_default()
-    }
-
-    fn stop(mut self) -> std::process::ExitStatus {
-        let mut c = self.child.take().unwrap();
-        sigterm(c.id());
-        c.wait().unwrap()
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            sigterm(c.id());
-            let _ = c.wait();
-        }
-    }
-}
-
 // --- a minimal NBD client (fixed newstyle, OPT_GO on the default export) ---
 
 fn be32(b: &[u8]) -> u32 {
@@ -313,7 +249,7 @@ fn check_served(f: &Fixture, old: &Path, cow: &Path, hash: &Path, bad: &BTreeSet
     let addr = format!("unix:{}", sock.display());
     let mut args = serve_args(f, old, cow, hash, &f.root);
     args.extend([os("--fuse"), fuse_dir.as_os_str(), os("--nbd"), os(&addr)]);
-    let daemon = Daemon::start(&args, &t.join("serve.log"));
+    let daemon = Server::start_logged(&args, &t.join("serve.log"));
     let disk = File::open(fuse_dir.join("disk.img")).unwrap();
     let (mut conn, size) = nbd_connect(&sock);
     assert_eq!(size, BLOCKS * BS as u64);
@@ -572,7 +508,7 @@ fn tree_without_superblock_serves_with_parameters_on_the_command_line() {
     let mut args = serve_args(&f, &f.old, &f.cow, &hash, root);
     args.extend(tree_opts.iter().map(os));
     args.extend([os("--fuse"), fuse_dir.as_os_str()]);
-    let d = Daemon::start(&args, &t.join("nosb.log"));
+    let d = Server::start_logged(&args, &t.join("nosb.log"));
     let all = std::fs::read(fuse_dir.join("disk.img")).unwrap();
     assert!(all == f.new_data, "served image differs from new.img");
     assert!(d.stop().success());
@@ -583,7 +519,7 @@ fn tree_without_superblock_serves_with_parameters_on_the_command_line() {
     let mut args = serve_args(&f, &old, &f.cow, &hash, root);
     args.extend(tree_opts.iter().map(os));
     args.extend([os("--fuse"), fuse_dir.as_os_str()]);
-    let d = Daemon::start(&args, &t.join("nosb2.log"));
+    let d = Server::start_logged(&args, &t.join("nosb2.log"));
     let disk = File::open(fuse_dir.join("disk.img")).unwrap();
     let mut buf = vec![0u8; BS];
     let e = disk.read_exact_at(&mut buf, b * BS as u64).unwrap_err();
@@ -647,7 +583,7 @@ fn diff_verity_tree_checks_out_and_serves_the_update() {
     std::fs::create_dir_all(&fuse_dir).unwrap();
     let mut args = serve_args(&f, &f.old, &cow, &hash, root);
     args.extend([os("--fuse"), fuse_dir.as_os_str()]);
-    let d = Daemon::start(&args, &t.join("diff.log"));
+    let d = Server::start_logged(&args, &t.join("diff.log"));
     let all = std::fs::read(fuse_dir.join("disk.img")).unwrap();
     assert!(all == f.new_data, "served image differs from new.img");
     assert!(d.stop().success());

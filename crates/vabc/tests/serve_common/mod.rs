@@ -186,16 +186,30 @@ pub fn make_cow(old: &Path, new: &Path, cow: &Path, version: u16, codec: &str) -
 pub struct Server {
     child: Option<Child>,
     pub stdout: Vec<String>,
+    stderr_log: Option<PathBuf>,
 }
 
 impl Server {
     /// Starts `vabc serve ARGS` and waits for its "ready" line.
     pub fn start(args: &[&std::ffi::OsStr]) -> Server {
+        Server::launch(args, None)
+    }
+
+    /// Like [`Server::start`], with stderr captured to `log` (read it with [`Server::log`]).
+    pub fn start_logged(args: &[&std::ffi::OsStr], log: &Path) -> Server {
+        Server::launch(args, Some(log))
+    }
+
+    fn launch(args: &[&std::ffi::OsStr], log: Option<&Path>) -> Server {
+        let stderr = match log {
+            Some(p) => Stdio::from(std::fs::File::create(p).unwrap()),
+            None => Stdio::inherit(),
+        };
         let mut child = Command::new(vabc())
             .arg("serve")
             .args(args)
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(stderr)
             .spawn()
             .expect("spawn vabc serve");
         let out = child.stdout.take().unwrap();
@@ -210,6 +224,7 @@ impl Server {
         let mut server = Server {
             child: Some(child),
             stdout: Vec::new(),
+            stderr_log: log.map(Path::to_path_buf),
         };
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
@@ -223,12 +238,24 @@ impl Server {
                 }
                 Err(_) => {
                     if let Some(status) = server.child.as_mut().unwrap().try_wait().unwrap() {
-                        panic!("vabc serve exited early with {status}: {:?}", server.stdout);
+                        panic!(
+                            "vabc serve exited early with {status}: {:?} {}",
+                            server.stdout,
+                            server.log()
+                        );
                     }
                     assert!(Instant::now() < deadline, "vabc serve not ready after 60 s");
                 }
             }
         }
+    }
+
+    /// What the server wrote to stderr so far (only for [`Server::start_logged`]).
+    pub fn log(&self) -> String {
+        self.stderr_log
+            .as_ref()
+            .map(|p| std::fs::read_to_string(p).unwrap_or_default())
+            .unwrap_or_default()
     }
 
     pub fn pid(&self) -> i32 {
