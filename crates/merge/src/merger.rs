@@ -26,6 +26,7 @@ use cow::format::{BLOCK_SIZE, BLOCK_SIZE_U64};
 use cow::view::xor_into;
 use cow::{CowReader, Op, OpKind};
 
+use crate::buf::AlignedBuf;
 use crate::error::{MergeError, Result};
 use crate::io::{Dev, IoStats, MergeIo};
 use crate::status::MergeStatus;
@@ -89,6 +90,8 @@ impl MergeReport {
 struct Pending {
     pos: usize,
     n: usize,
+    /// Where each op's source block starts in the staging area.
+    staged_at: Vec<usize>,
     /// Where each XOR op's stored payload starts in the payload buffer.
     at: Vec<usize>,
     /// First source offset (for error messages).
@@ -105,6 +108,9 @@ pub struct Merge<'a> {
     /// The first `ordered` entries of `order` are COPY/XOR.
     ordered: usize,
     header_size: usize,
+    /// Bytes of the COW mirrored in memory: header, state byte and scratch
+    /// area rounded up to whole pages (see `run`).
+    mirror_len: usize,
     meta_off: u64,
     meta_cap: usize,
     data_off: u64,
@@ -151,12 +157,28 @@ impl<'a> Merge<'a> {
         if ordered > 0 && window_cap == 0 {
             return Err(MergeError::NoScratch { path: cow_path });
         }
+        if ordered > 0 && (header_size + buffer) as u64 > cow.file_size() {
+            return Err(MergeError::Corrupt {
+                path: cow_path,
+                offset: cow.file_size(),
+                msg: format!(
+                    "the file ends inside its {buffer}-byte scratch area (at {})",
+                    cow.file_size()
+                ),
+            });
+        }
         Ok(Merge {
             cow,
             cow_path,
             order,
             ordered,
             header_size,
+            // Whole pages, so that an O_DIRECT engine can write them; never
+            // past the end of the file, which must not grow.
+            mirror_len: (header_size + buffer)
+                .next_multiple_of(crate::buf::ALIGN)
+                .min(usize::try_from(cow.file_size()).unwrap_or(usize::MAX))
+                .max(header_size + 1),
             meta_off: header_size as u64 + 1,
             meta_cap,
             data_off: (header_size + meta_size) as u64,
@@ -207,9 +229,14 @@ impl<'a> Merge<'a> {
     /// `opts.max_commits`. `progress(merged, total)` after every commit.
     pub fn run(&self, io: &mut dyn MergeIo, progress: &dyn Fn(u64, u64)) -> Result<MergeReport> {
         let total = self.order.len();
-        let mut head = vec![0u8; self.header_size + 1];
+        // The header page(s) and the scratch area live in `head`, a
+        // page-aligned copy of the COW's first `mirror_len` bytes: the
+        // protocol's COW writes are whole pages of it (the bytes around
+        // what changes are rewritten with what the file already holds), so
+        // they can bypass the page cache.
+        let mut head = AlignedBuf::zeroed(self.mirror_len);
         io.read_many(Dev::Cow, &mut [(0, &mut head[..])])
-            .map_err(|e| self.cow_io("read header", 0, e))?;
+            .map_err(|e| self.cow_io("read header and scratch area", 0, e))?;
         let (mut pos, state) = self.parse_progress(&head);
         if pos > total as u64 {
             return Err(MergeError::Corrupt {
@@ -227,16 +254,22 @@ impl<'a> Merge<'a> {
         if let Some(s) = &self.status {
             s.set_merged(pos as usize);
         }
-        // Two window buffers in one registered allocation: window N is
-        // written from one half while window N+1's sources are read into
-        // the other. XOR payloads of each half have their own buffer.
+        // One registered, page-aligned allocation (so that an engine can
+        // move it with O_DIRECT) holds: the window being merged; its blocks
+        // in destination order (see `write_destinations`); and the staging
+        // area the next window's sources are read into while this one is
+        // written (see `start_sources`). The XOR payloads of the current and
+        // of the next window have a buffer each.
         let cap = self.window_cap.max(1) * BLOCK_SIZE;
-        let mut window = vec![0u8; 2 * cap];
+        let mut arena = AlignedBuf::zeroed(4 * cap);
         let mut stored: [Vec<u8>; 2] = [Vec::new(), Vec::new()];
         if self.window_cap > 0 {
-            io.register(&mut window)
+            io.register(&mut arena)
                 .map_err(|e| self.cow_io("register buffer", 0, e))?;
         }
+        let (window, rest) = arena.split_at_mut(cap);
+        let (sorted, staging) = rest.split_at_mut(cap);
+        let staging = staging.as_mut_ptr();
         let result = (|| -> Result<()> {
             let mut commits = 0usize;
             let out_of_budget = |c: usize| {
@@ -247,7 +280,7 @@ impl<'a> Merge<'a> {
                         .is_some_and(|f| f.load(Ordering::Relaxed))
             };
             if state == STATE_DONE && (pos as usize) < self.ordered {
-                let n = self.replay_window(io, pos as usize, &mut window[..cap])?;
+                let n = self.replay_window(io, pos as usize, &mut window[..cap], sorted)?;
                 if n > 0 {
                     pos += n as u64;
                     self.commit(io, &mut head, pos)?;
@@ -261,24 +294,22 @@ impl<'a> Merge<'a> {
             let mut pending: Option<Pending> = None;
             while (pos as usize) < self.ordered && !out_of_budget(commits) {
                 let n = (self.ordered - pos as usize).min(self.window_cap);
-                let (a, b) = window.split_at_mut(cap);
-                let (cur, other) = if half == 0 { (a, b) } else { (b, a) };
+                let cur = &mut *window;
                 let p = match pending.take() {
                     Some(p) => p,
-                    // SAFETY: `cur` and `stored[half]` are not touched
-                    // until `finish_sources` below waits for the reads.
+                    // SAFETY: the staging area (2 * cap bytes) and
+                    // `stored[half]` are not touched until `finish_sources`
+                    // below waits for the reads.
                     None => unsafe {
-                        self.start_sources(
-                            io,
-                            pos as usize,
-                            n,
-                            cur.as_mut_ptr(),
-                            &mut stored[half],
-                        )?
+                        self.start_sources(io, pos as usize, n, staging, &mut stored[half])?
                     },
                 };
                 debug_assert_eq!((p.pos, p.n), (pos as usize, n));
-                self.finish_sources(io, &p, cur, &stored[half])?;
+                // SAFETY: the staging area is 2 * cap bytes inside `arena`,
+                // disjoint from every slice in use; `finish_sources` reads
+                // it only after waiting for the reads into it.
+                let staged = unsafe { std::slice::from_raw_parts(staging, 2 * cap) };
+                self.finish_sources(io, &p, cur, staged, &stored[half])?;
                 // Read the next window's sources while this one is written:
                 // in a valid merge order (`Merge::new` checked it) no op
                 // reads a block an earlier op writes, so these writes cannot
@@ -286,15 +317,16 @@ impl<'a> Merge<'a> {
                 let next = pos as usize + n;
                 if next < self.ordered && !out_of_budget(commits + 1) {
                     let m = (self.ordered - next).min(self.window_cap);
-                    // SAFETY: `other` and `stored[1 - half]` are left alone
-                    // until the next iteration's `finish_sources` waits for
-                    // these reads; `run` waits for them on every other path
-                    // before the buffers are dropped.
+                    // SAFETY: the staging area (consumed by `finish_sources`
+                    // above) and `stored[1 - half]` are left alone until the
+                    // next iteration's `finish_sources` waits for these
+                    // reads; `run` waits for them on every other path before
+                    // the buffers are dropped.
                     pending = Some(unsafe {
-                        self.start_sources(io, next, m, other.as_mut_ptr(), &mut stored[1 - half])?
+                        self.start_sources(io, next, m, staging, &mut stored[1 - half])?
                     });
                 }
-                self.merge_window(io, pos as usize, n, cur)?;
+                self.merge_window(io, pos as usize, n, cur, &mut head, sorted)?;
                 half = 1 - half;
                 pos += n as u64;
                 self.commit(io, &mut head, pos)?;
@@ -341,57 +373,84 @@ impl<'a> Merge<'a> {
         }
     }
 
-    /// Start reading the sources of order[pos..pos+n] into `buf` (slot i =
-    /// op i) and the XOR payloads among them into `stored`.
+    /// Start reading the sources of order[pos..pos+n] into the staging
+    /// area and the XOR payloads among them into `stored`. Sources are read
+    /// in offset order, neighbours and overlaps merged: a window that walks
+    /// a shifted run backwards (or XORs a file at a byte offset) then reads
+    /// it as a few large requests, instead of one 4 KiB read per op in op
+    /// order. `finish_sources` puts each block in its op's slot.
     ///
     /// # Safety
-    /// `buf` points to at least `n` blocks; neither it nor `stored` is
-    /// read, written or moved until `finish_sources` (or `io.wait_reads`)
-    /// returned.
+    /// `staging` points to at least `2 * n` blocks; neither they nor
+    /// `stored` are read, written or moved until `finish_sources` (or
+    /// `io.wait_reads`) returned.
     unsafe fn start_sources(
         &self,
         io: &mut dyn MergeIo,
         pos: usize,
         n: usize,
-        buf: *mut u8,
+        staging: *mut u8,
         stored: &mut Vec<u8>,
     ) -> Result<Pending> {
         let ops = &self.order[pos..pos + n];
-        // Coalesce runs of consecutive source offsets into single reads.
-        let mut runs: Vec<(u64, usize, usize)> = Vec::new(); // (offset, first slot, slots)
-        for (i, op) in ops.iter().enumerate() {
-            let off = match op.kind {
-                OpKind::Copy => op.source * BLOCK_SIZE_U64,
-                _ => op.source,
-            };
+        let mut by_off: Vec<(u64, usize)> = ops
+            .iter()
+            .enumerate()
+            .map(|(i, op)| match op.kind {
+                OpKind::Copy => (op.source * BLOCK_SIZE_U64, i),
+                _ => (op.source, i),
+            })
+            .collect();
+        by_off.sort_unstable();
+        // (offset, length, staging position); each run starts on a page
+        // boundary of the staging area, so that with at most `n` runs of
+        // whole blocks it fits in `2 * n` blocks.
+        let mut runs: Vec<(u64, usize, usize)> = Vec::new();
+        let mut staged_at = vec![0usize; n];
+        let block = BLOCK_SIZE_U64;
+        for &(off, i) in &by_off {
             match runs.last_mut() {
-                Some((o, s, c)) if *o + (*c as u64) * BLOCK_SIZE_U64 == off && *s + *c == i => {
-                    *c += 1
+                Some((o, l, p)) if off <= *o + *l as u64 => {
+                    *l = ((off + block).max(*o + *l as u64) - *o) as usize;
+                    staged_at[i] = *p + (off - *o) as usize;
                 }
-                _ => runs.push((off, i, 1)),
+                _ => {
+                    let p = runs
+                        .last()
+                        .map_or(0, |&(_, l, p)| (p + l).next_multiple_of(BLOCK_SIZE));
+                    runs.push((off, BLOCK_SIZE, p));
+                    staged_at[i] = p;
+                }
             }
         }
         let mut reqs: Vec<(u64, *mut u8, usize)> = runs
             .iter()
-            // Slot arithmetic stays inside the `n` blocks the caller gave.
-            .map(|&(off, s, c)| (off, buf.wrapping_add(s * BLOCK_SIZE), c * BLOCK_SIZE))
+            // Staging arithmetic stays inside the `2 * n` blocks the caller
+            // gave (see above).
+            .map(|&(off, l, p)| (off, staging.wrapping_add(p), l))
             .collect();
-        let first = runs.first().map_or(0, |r| r.0);
+        let first = by_off.first().map_or(0, |r| r.0);
         // SAFETY: forwarded from the caller: the slots stay untouched until
         // the reads are waited for.
         unsafe { io.start_reads(Dev::Base, &reqs) }
             .map_err(|e| self.base_io("read sources", first, e))?;
-        // XOR payloads: adjacent in the COW (the writer lays them out in op
-        // order) are one read.
-        let mut at = Vec::new();
+        // XOR payloads, in file order (the merge order is not the order the
+        // writer laid them out in): neighbours in the COW are one read.
+        let mut xors: Vec<(u64, usize, usize)> = ops
+            .iter()
+            .filter(|o| o.kind == OpKind::Xor)
+            .enumerate()
+            .map(|(k, o)| (o.data_offset, k, o.data_length as usize))
+            .collect();
+        xors.sort_unstable();
+        let mut at = vec![0usize; xors.len()];
         let mut cow_runs: Vec<(u64, usize)> = Vec::new(); // (file offset, length)
         let mut len = 0;
-        for op in ops.iter().filter(|o| o.kind == OpKind::Xor) {
-            at.push(len);
-            let l = op.data_length as usize;
+        for &(off, k, l) in &xors {
+            at[k] = len;
             match cow_runs.last_mut() {
-                Some((o, rl)) if *o + *rl as u64 == op.data_offset => *rl += l,
-                _ => cow_runs.push((op.data_offset, l)),
+                Some((o, rl)) if *o + *rl as u64 == off => *rl += l,
+                _ => cow_runs.push((off, l)),
             }
             len += l;
         }
@@ -409,19 +468,31 @@ impl<'a> Merge<'a> {
             unsafe { io.start_reads(Dev::Cow, &reqs) }
                 .map_err(|e| self.cow_io("read payloads", cow_runs[0].0, e))?;
         }
-        Ok(Pending { pos, n, at, first })
+        Ok(Pending {
+            pos,
+            n,
+            staged_at,
+            at,
+            first,
+        })
     }
 
-    /// Wait for the reads `start_sources` started and apply the XORs.
+    /// Wait for the reads `start_sources` started, put each source block in
+    /// its op's slot of `buf` and apply the XORs.
     fn finish_sources(
         &self,
         io: &mut dyn MergeIo,
         p: &Pending,
         buf: &mut [u8],
+        staging: &[u8],
         stored: &[u8],
     ) -> Result<()> {
         io.wait_reads()
             .map_err(|e| self.base_io("read sources", p.first, e))?;
+        for (i, &at) in p.staged_at.iter().enumerate() {
+            buf[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE]
+                .copy_from_slice(&staging[at..at + BLOCK_SIZE]);
+        }
         let mut payload = vec![0u8; BLOCK_SIZE];
         let mut k = 0;
         for (i, op) in self.order[p.pos..p.pos + p.n].iter().enumerate() {
@@ -467,25 +538,42 @@ impl<'a> Merge<'a> {
         Ok((stored, at))
     }
 
-    fn merge_window(&self, io: &mut dyn MergeIo, pos: usize, n: usize, buf: &[u8]) -> Result<()> {
-        // Publish: metadata + data, sync, then the state byte, sync.
-        let mut meta = Vec::with_capacity((n + 1) * META_ENTRY);
+    fn merge_window(
+        &self,
+        io: &mut dyn MergeIo,
+        pos: usize,
+        n: usize,
+        buf: &[u8],
+        head: &mut [u8],
+        sorted: &mut [u8],
+    ) -> Result<()> {
+        // Publish: metadata + data, sync, then the state byte, sync. The
+        // first write rewrites the header page with the state byte it
+        // already holds, so a torn write cannot publish anything.
+        let mut at = self.meta_off as usize;
         for (i, op) in self.order[pos..pos + n].iter().enumerate() {
-            meta.extend_from_slice(&op.new_block.to_le_bytes());
-            meta.extend_from_slice(&(self.data_off + (i * BLOCK_SIZE) as u64).to_le_bytes());
+            head[at..at + 8].copy_from_slice(&op.new_block.to_le_bytes());
+            head[at + 8..at + 16]
+                .copy_from_slice(&(self.data_off + (i * BLOCK_SIZE) as u64).to_le_bytes());
+            at += META_ENTRY;
         }
-        meta.extend_from_slice(&[0u8; META_ENTRY]);
-        io.write_and_sync(
-            Dev::Cow,
-            &[
-                (self.meta_off, &meta),
-                (self.data_off, &buf[..n * BLOCK_SIZE]),
-            ],
-        )
-        .map_err(|e| self.cow_io("write scratch", self.meta_off, e))?;
-        io.write_and_sync(Dev::Cow, &[(self.header_size as u64, &[STATE_DONE])])
+        head[at..at + META_ENTRY].fill(0);
+        let data = self.data_off as usize;
+        head[data..data + n * BLOCK_SIZE].copy_from_slice(&buf[..n * BLOCK_SIZE]);
+        let end = (data + n * BLOCK_SIZE)
+            .next_multiple_of(crate::buf::ALIGN)
+            .min(head.len());
+        io.write_and_sync(Dev::Cow, &[(0, &head[..end])])
+            .map_err(|e| self.cow_io("write scratch", self.meta_off, e))?;
+        head[self.header_size] = STATE_DONE;
+        io.write_and_sync(Dev::Cow, &[(0, self.header_page(head))])
             .map_err(|e| self.cow_io("write state", self.header_size as u64, e))?;
-        self.write_destinations(io, pos, n, buf)
+        self.write_destinations(io, pos, n, buf, sorted)
+    }
+
+    /// The first page of the mirrored COW start (or all of it, if shorter).
+    fn header_page<'h>(&self, head: &'h [u8]) -> &'h [u8] {
+        &head[..head.len().min(crate::buf::ALIGN)]
     }
 
     /// Bring a shared status up to what the device holds, before serving
@@ -512,10 +600,16 @@ impl<'a> Merge<'a> {
 
     /// A window was published but maybe not fully merged: rewrite it from
     /// the scratch copy. Returns its op count (0: nothing usable).
-    fn replay_window(&self, io: &mut dyn MergeIo, pos: usize, buf: &mut [u8]) -> Result<usize> {
+    fn replay_window(
+        &self,
+        io: &mut dyn MergeIo,
+        pos: usize,
+        buf: &mut [u8],
+        sorted: &mut [u8],
+    ) -> Result<usize> {
         let n = self.read_scratch(io, pos, buf)?;
         if n > 0 {
-            self.write_destinations(io, pos, n, buf)?;
+            self.write_destinations(io, pos, n, buf, sorted)?;
         }
         Ok(n)
     }
@@ -562,12 +656,20 @@ impl<'a> Merge<'a> {
         Ok(n)
     }
 
+    /// Write a window's blocks to their destinations, then sync. The merge
+    /// order often walks a shifted run of blocks backwards (a block moving
+    /// up must be written after the one above it), so the blocks are put in
+    /// ascending destination order first (into `sorted`): neighbours then
+    /// form one large write instead of hundreds of 4 KiB ones. The order of
+    /// writes inside a window does not matter, since they are all made
+    /// durable together before the window is committed.
     fn write_destinations(
         &self,
         io: &mut dyn MergeIo,
         pos: usize,
         n: usize,
         buf: &[u8],
+        sorted: &mut [u8],
     ) -> Result<()> {
         let ops = &self.order[pos..pos + n];
         if let Some(s) = &self.status {
@@ -575,11 +677,27 @@ impl<'a> Merge<'a> {
             // waits for reads of its sources still in flight.
             s.begin_window(pos, ops.iter().map(|o| o.new_block), &buf[..n * BLOCK_SIZE]);
         }
+        let mut by_dest: Vec<usize> = (0..n).collect();
+        by_dest.sort_unstable_by_key(|&i| ops[i].new_block);
+        let data: &[u8] = if by_dest.iter().enumerate().all(|(k, &i)| k == i) {
+            &buf[..n * BLOCK_SIZE]
+        } else {
+            for (k, &i) in by_dest.iter().enumerate() {
+                sorted[k * BLOCK_SIZE..(k + 1) * BLOCK_SIZE]
+                    .copy_from_slice(&buf[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE]);
+            }
+            &sorted[..n * BLOCK_SIZE]
+        };
         let mut runs: Vec<(u64, usize, usize)> = Vec::new(); // (block, first slot, count)
-        for (i, op) in ops.iter().enumerate() {
+        for (k, &i) in by_dest.iter().enumerate() {
+            let block = ops[i].new_block;
             match runs.last_mut() {
-                Some((b, s, c)) if *b + *c as u64 == op.new_block && *s + *c == i => *c += 1,
-                _ => runs.push((op.new_block, i, 1)),
+                Some((b, _, c))
+                    if *b + *c as u64 == block && (*c as u64) < self.opts.run_blocks =>
+                {
+                    *c += 1
+                }
+                _ => runs.push((block, k, 1)),
             }
         }
         let reqs: Vec<(u64, &[u8])> = runs
@@ -587,7 +705,7 @@ impl<'a> Merge<'a> {
             .map(|&(b, s, c)| {
                 (
                     b * BLOCK_SIZE_U64,
-                    &buf[s * BLOCK_SIZE..(s + c) * BLOCK_SIZE],
+                    &data[s * BLOCK_SIZE..(s + c) * BLOCK_SIZE],
                 )
             })
             .collect();
@@ -610,7 +728,7 @@ impl<'a> Merge<'a> {
             end += 1;
         }
         let ops = &self.order[pos..end];
-        let mut data = vec![0u8; bytes];
+        let mut data = AlignedBuf::zeroed(bytes);
         let replaces: Vec<&Op> = ops.iter().filter(|o| o.kind == OpKind::Replace).collect();
         let (stored, stored_at) = self.read_payloads(io, &replaces)?;
         let mut k = 0;
@@ -659,11 +777,11 @@ impl<'a> Merge<'a> {
     }
 
     /// `num_merge_ops = pos`, `read_ahead_state = 1`: one write of the
-    /// header and the state byte (same page), then sync.
+    /// header page (the header and the state byte share it), then sync.
     fn commit(&self, io: &mut dyn MergeIo, head: &mut [u8], pos: u64) -> Result<()> {
         head[26..34].copy_from_slice(&pos.to_le_bytes());
         head[self.header_size] = STATE_IN_PROGRESS;
-        io.write_and_sync(Dev::Cow, &[(0, head)])
+        io.write_and_sync(Dev::Cow, &[(0, self.header_page(head))])
             .map_err(|e| self.cow_io("commit header", 0, e))?;
         if let Some(s) = &self.status {
             s.set_merged(pos as usize);

@@ -2,15 +2,48 @@
 //! batch followed by one fdatasync, with the window buffer registered once
 //! so data moves with READ/WRITE_FIXED. The queue is kept full (a completion
 //! makes room for the next entry) and entries go out in offset order.
+//!
+//! With [`UringIo::with_direct`], every transfer whose offset, length and
+//! memory are page-aligned goes through a second, `O_DIRECT` descriptor of
+//! the same file: a merge writes each block twice (scratch copy, then
+//! destination) and reads it once, and through the page cache all of that
+//! is copied and written back by the kernel on top. Unaligned transfers
+//! (XOR sources at byte offsets, stored payloads, the header) stay buffered;
+//! the kernel keeps both views of the file coherent.
 
 use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
+use std::time::Instant;
 
 use io_uring::{IoUring, opcode, squeue, types};
 
+use crate::buf::ALIGN;
 use crate::io::{Dev, IoStats, MergeIo};
+
+/// A second descriptor of `file`'s inode, opened `O_DIRECT` with the same
+/// access mode; `None` where the filesystem does not support it.
+fn reopen_direct(file: &File) -> io::Result<Option<File>> {
+    use std::os::unix::fs::OpenOptionsExt;
+    // SAFETY: F_GETFL on a descriptor we own reads its flags, nothing else.
+    let flags = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GETFL) };
+    if flags < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let writable = flags & libc::O_ACCMODE != libc::O_RDONLY;
+    let path = format!("/proc/self/fd/{}", file.as_raw_fd());
+    match std::fs::OpenOptions::new()
+        .read(true)
+        .write(writable)
+        .custom_flags(libc::O_DIRECT)
+        .open(&path)
+    {
+        Ok(f) => Ok(Some(f)),
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
 
 /// Largest single read or write submitted (keeps SQEs independent of the
 /// caller's run lengths).
@@ -24,6 +57,9 @@ pub struct UringIo {
     depth: usize,
     base: File,
     cow: File,
+    /// `O_DIRECT` descriptors of the same files, when enabled and supported.
+    base_direct: Option<File>,
+    cow_direct: Option<File>,
     stats: IoStats,
     /// Registered buffer: (start, len).
     fixed: Option<(usize, usize)>,
@@ -59,6 +95,8 @@ impl UringIo {
             depth: depth.max(2) as usize,
             base,
             cow,
+            base_direct: None,
+            cow_direct: None,
             stats: IoStats::default(),
             fixed: None,
             bg: Vec::new(),
@@ -69,6 +107,20 @@ impl UringIo {
         })
     }
 
+    /// Also open both files with `O_DIRECT` and use that for aligned
+    /// transfers. A file whose filesystem refuses `O_DIRECT` (tmpfs) stays
+    /// buffered; any other failure is returned.
+    pub fn with_direct(mut self) -> io::Result<Self> {
+        self.base_direct = reopen_direct(&self.base)?;
+        self.cow_direct = reopen_direct(&self.cow)?;
+        Ok(self)
+    }
+
+    /// Whether (base, COW) have an `O_DIRECT` path.
+    pub fn direct(&self) -> (bool, bool) {
+        (self.base_direct.is_some(), self.cow_direct.is_some())
+    }
+
     fn fd(&self, dev: Dev) -> i32 {
         match dev {
             Dev::Base => self.base.as_raw_fd(),
@@ -77,7 +129,18 @@ impl UringIo {
     }
 
     fn entry(&self, s: &Sqe) -> squeue::Entry {
-        let fd = types::Fd(s.fd);
+        let aligned = |x: usize| x.is_multiple_of(ALIGN);
+        let direct = if s.fd == self.base.as_raw_fd() {
+            &self.base_direct
+        } else {
+            &self.cow_direct
+        };
+        let fd = match direct {
+            Some(d) if aligned(s.off as usize) && aligned(s.len) && aligned(s.ptr as usize) => {
+                types::Fd(d.as_raw_fd())
+            }
+            _ => types::Fd(s.fd),
+        };
         let len = s.len as u32;
         let fixed = self
             .fixed
@@ -239,6 +302,13 @@ impl UringIo {
     /// it covers all of them (no links needed). Background reads may run
     /// alongside.
     fn fsync(&mut self, fd: i32) -> io::Result<()> {
+        let t = Instant::now();
+        let r = self.fsync_inner(fd);
+        self.stats.sync_wait += t.elapsed();
+        r
+    }
+
+    fn fsync_inner(&mut self, fd: i32) -> io::Result<()> {
         self.stats.fsyncs += 1;
         while self.bg_in_flight >= self.depth {
             // Make room: the fsync needs one slot.
@@ -299,7 +369,10 @@ impl UringIo {
         // The writes of one batch never overlap (the merge writes each
         // destination and scratch range once per batch), so they need no
         // ordering among themselves; the sync follows once they completed.
-        self.run(&sqes)?;
+        let t = Instant::now();
+        let r = self.run(&sqes);
+        self.stats.write_wait += t.elapsed();
+        r?;
         if sync {
             self.fsync(fd)?;
         }
@@ -333,6 +406,26 @@ impl UringIo {
         }
     }
 
+    /// Wait for every background read; the first error wins.
+    fn wait_background(&mut self) -> io::Result<()> {
+        while self.bg_next < self.bg.len() || self.bg_in_flight > 0 {
+            self.fill_background(0)?;
+            let fg = self.reap(self.bg_in_flight.div_ceil(2).max(1))?;
+            debug_assert!(fg.is_empty(), "foreground completion outside run");
+        }
+        let err = self.bg_err.take();
+        let short = std::mem::take(&mut self.bg_short);
+        let bg = std::mem::take(&mut self.bg);
+        self.bg_next = 0;
+        if let Some(e) = err {
+            return Err(e);
+        }
+        for i in short {
+            self.finish_short(&bg[i])?;
+        }
+        Ok(())
+    }
+
     fn count(&mut self, sqes: &[Sqe]) {
         for s in sqes {
             if s.write {
@@ -354,7 +447,10 @@ impl MergeIo for UringIo {
             Self::split(fd, *off, buf.as_mut_ptr(), buf.len(), false, &mut sqes);
         }
         self.count(&sqes);
-        self.run(&sqes)
+        let t = Instant::now();
+        let r = self.run(&sqes);
+        self.stats.read_wait += t.elapsed();
+        r
     }
 
     fn write_many(&mut self, dev: Dev, reqs: &[(u64, &[u8])]) -> io::Result<()> {
@@ -393,22 +489,10 @@ impl MergeIo for UringIo {
     }
 
     fn wait_reads(&mut self) -> io::Result<()> {
-        while self.bg_next < self.bg.len() || self.bg_in_flight > 0 {
-            self.fill_background(0)?;
-            let fg = self.reap(self.bg_in_flight.div_ceil(2).max(1))?;
-            debug_assert!(fg.is_empty(), "foreground completion outside run");
-        }
-        let err = self.bg_err.take();
-        let short = std::mem::take(&mut self.bg_short);
-        let bg = std::mem::take(&mut self.bg);
-        self.bg_next = 0;
-        if let Some(e) = err {
-            return Err(e);
-        }
-        for i in short {
-            self.finish_short(&bg[i])?;
-        }
-        Ok(())
+        let t = Instant::now();
+        let r = self.wait_background();
+        self.stats.read_wait += t.elapsed();
+        r
     }
 
     fn register(&mut self, buf: &mut [u8]) -> io::Result<()> {

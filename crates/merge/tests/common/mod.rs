@@ -53,8 +53,9 @@ pub struct SimDisk {
     fail_at: Option<u64>,
     crashed: bool,
     stats: IoStats,
-    /// Kind of each event, for coverage reports: (is_sync, device, offset).
-    pub trace: Vec<(bool, Dev, u64)>,
+    /// Kind of each event, for coverage reports: (is_sync, device, offset,
+    /// length; 0 for a sync).
+    pub trace: Vec<(bool, Dev, u64, usize)>,
 }
 
 impl SimDisk {
@@ -81,12 +82,12 @@ impl SimDisk {
         }
     }
 
-    fn event(&mut self, is_sync: bool, d: Dev, off: u64) -> io::Result<()> {
+    fn event(&mut self, is_sync: bool, d: Dev, off: u64, len: usize) -> io::Result<()> {
         if self.crashed || self.fail_at == Some(self.events) {
             self.crashed = true;
             return Err(io::Error::other("injected crash"));
         }
-        self.trace.push((is_sync, d, off));
+        self.trace.push((is_sync, d, off, len));
         self.events += 1;
         Ok(())
     }
@@ -137,7 +138,7 @@ impl MergeIo for SimDisk {
 
     fn write_many(&mut self, dev: Dev, reqs: &[(u64, &[u8])]) -> io::Result<()> {
         for (off, buf) in reqs {
-            self.event(false, dev, *off)?;
+            self.event(false, dev, *off, buf.len())?;
             let d = self.dev(dev);
             let o = *off as usize;
             if o + buf.len() > d.current.len() {
@@ -151,7 +152,7 @@ impl MergeIo for SimDisk {
     }
 
     fn sync(&mut self, dev: Dev) -> io::Result<()> {
-        self.event(true, dev, 0)?;
+        self.event(true, dev, 0, 0)?;
         let d = self.dev(dev);
         d.durable.clone_from(&d.current);
         d.pending.clear();
@@ -268,17 +269,30 @@ pub fn rw(p: &Path) -> File {
 pub enum Engine {
     Sync,
     Uring,
+    /// io_uring with O_DIRECT for aligned transfers (buffered where the
+    /// filesystem refuses O_DIRECT).
+    UringDirect,
 }
 
 pub fn engine(e: Engine, base: &Path, cow: &Path) -> Box<dyn MergeIo> {
     match e {
         Engine::Sync => Box::new(SyncIo::new(rw(base), rw(cow))),
         Engine::Uring => Box::new(UringIo::new(rw(base), rw(cow), 64).unwrap()),
+        Engine::UringDirect => Box::new(
+            UringIo::new(rw(base), rw(cow), 64)
+                .unwrap()
+                .with_direct()
+                .unwrap(),
+        ),
     }
 }
 
 /// Event count of a fault-free simulated merge, and its trace.
-pub fn dry_run(cow_path: &Path, old: &[u8], opts: MergeOptions) -> (u64, Vec<(bool, Dev, u64)>) {
+pub fn dry_run(
+    cow_path: &Path,
+    old: &[u8],
+    opts: MergeOptions,
+) -> (u64, Vec<(bool, Dev, u64, usize)>) {
     let cow_bytes = std::fs::read(cow_path).unwrap();
     let r = CowReader::open(cow_path).unwrap();
     let m = Merge::new(&r, old.len() as u64, PathBuf::from("base"), opts).unwrap();

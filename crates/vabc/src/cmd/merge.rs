@@ -27,6 +27,11 @@ pub struct Args {
     /// Show a progress bar (on a terminal).
     #[arg(long)]
     progress: bool,
+    /// uring engine: move data through the page cache instead of O_DIRECT
+    /// (aligned transfers use O_DIRECT by default, where the filesystem
+    /// supports it).
+    #[arg(long)]
+    buffered: bool,
     /// io_uring queue depth.
     #[arg(long, default_value_t = 64)]
     queue_depth: u32,
@@ -69,7 +74,12 @@ pub fn run(a: Args) -> Result<ExitCode> {
     let m = Merge::new(&cow, base_size, a.base.clone(), opts)?;
     let mut io: Box<dyn MergeIo> = match a.engine {
         EngineKind::Uring => {
-            Box::new(UringIo::new(base, cow_file, a.queue_depth).context("cannot set up io_uring")?)
+            let io = UringIo::new(base, cow_file, a.queue_depth).context("cannot set up io_uring")?;
+            if a.buffered {
+                Box::new(io)
+            } else {
+                Box::new(io.with_direct().context("cannot open the base or COW with O_DIRECT")?)
+            }
         }
         EngineKind::Sync => Box::new(SyncIo::new(base, cow_file)),
     };
@@ -99,6 +109,9 @@ pub fn run(a: Args) -> Result<ExitCode> {
             "reads": report.io.reads,
             "writes": report.io.writes,
             "fsyncs": report.io.fsyncs,
+            "read_wait_seconds": report.io.read_wait.as_secs_f64(),
+            "write_wait_seconds": report.io.write_wait.as_secs_f64(),
+            "sync_wait_seconds": report.io.sync_wait.as_secs_f64(),
             "bytes_read": report.io.bytes_read,
             "bytes_written": report.io.bytes_written,
         });
