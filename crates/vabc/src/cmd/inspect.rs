@@ -1,6 +1,7 @@
 //! `vabc inspect`: what is in a COW file (AOSP's `inspect_cow`, plus JSON).
 
 use std::collections::BTreeMap;
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -152,7 +153,11 @@ pub fn run(a: Args) -> Result<ExitCode> {
     if a.json {
         println!("{}", serde_json::to_string_pretty(&summary)?);
     } else {
-        print_text(&summary);
+        let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+        match print_text(&mut out, &summary).and_then(|()| out.flush()) {
+            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => return Ok(ExitCode::SUCCESS),
+            r => r.context("cannot write to stdout")?,
+        }
     }
     if let Some(VerifyJson {
         ok: false,
@@ -165,72 +170,82 @@ pub fn run(a: Args) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn print_text(s: &Summary) {
+/// The text report. A reader that goes away early (`vabc inspect --ops |
+/// head`) makes a write fail with BrokenPipe, which `run` treats as the end.
+fn print_text(out: &mut impl Write, s: &Summary) -> std::io::Result<()> {
     let h = s.header;
-    println!("File:               {}", s.file);
-    println!("File size:          {}", s.file_size);
-    println!("Version:            {}", s.version);
-    println!("Header size:        {}", h.header_size);
-    println!("Footer size:        {}", h.footer_size);
-    println!("Block size:         {}", h.block_size);
+    writeln!(out, "File:               {}", s.file)?;
+    writeln!(out, "File size:          {}", s.file_size)?;
+    writeln!(out, "Version:            {}", s.version)?;
+    writeln!(out, "Header size:        {}", h.header_size)?;
+    writeln!(out, "Footer size:        {}", h.footer_size)?;
+    writeln!(out, "Block size:         {}", h.block_size)?;
     if h.major_version < 3 {
-        println!("Cluster ops:        {}", h.cluster_ops);
+        writeln!(out, "Cluster ops:        {}", h.cluster_ops)?;
     }
-    println!("Merge ops:          {}", h.num_merge_ops);
-    println!("Scratch area:       {} bytes", h.buffer_size);
-    println!("Compression:        {}", s.compression);
+    writeln!(out, "Merge ops:          {}", h.num_merge_ops)?;
+    writeln!(out, "Scratch area:       {} bytes", h.buffer_size)?;
+    writeln!(out, "Compression:        {}", s.compression)?;
     if h.major_version == 3 {
-        println!("Compression factor: {}", s.compression_factor);
-        println!("Op count / max:     {} / {}", h.op_count, h.op_count_max);
-        println!(
+        writeln!(out, "Compression factor: {}", s.compression_factor)?;
+        writeln!(
+            out,
+            "Op count / max:     {} / {}",
+            h.op_count, h.op_count_max
+        )?;
+        writeln!(
+            out,
             "Resume points:      {} stored ({} in header)",
             s.labels.len(),
             h.resume_point_count
-        );
+        )?;
     }
     match s.footer {
-        Some(f) => println!(
+        Some(f) => writeln!(
+            out,
             "Footer:             {} ops, {} bytes, at offset {}",
             f.num_ops, f.ops_size, f.offset
-        ),
-        None if h.major_version < 3 => println!("Footer:             none"),
+        )?,
+        None if h.major_version < 3 => writeln!(out, "Footer:             none")?,
         None => {}
     }
-    println!("Sequence entries:   {}", s.sequence_entries);
+    writeln!(out, "Sequence entries:   {}", s.sequence_entries)?;
     let labels: Vec<String> = s
         .labels
         .iter()
         .map(|l| format!("{} (after {} ops)", l.label, l.ops_before))
         .collect();
-    println!(
+    writeln!(
+        out,
         "Labels:             {}",
         if labels.is_empty() {
             "none".to_string()
         } else {
             labels.join(", ")
         }
-    );
-    println!("Ops:                {}", s.ops_total);
+    )?;
+    writeln!(out, "Ops:                {}", s.ops_total)?;
     for kind in ["COPY", "XOR", "REPLACE", "ZERO"] {
-        println!(
+        writeln!(
+            out,
             "  {:<8}          {:>8} ops {:>10} blocks",
             kind,
             s.op_counts.get(kind).copied().unwrap_or(0),
             s.blocks_by_type.get(kind).copied().unwrap_or(0)
-        );
+        )?;
     }
-    println!("Blocks covered:     {}", s.blocks_covered);
-    println!("End block:          {}", s.end_block);
-    println!("Data size:          {} bytes", s.data_bytes);
+    writeln!(out, "Blocks covered:     {}", s.blocks_covered)?;
+    writeln!(out, "End block:          {}", s.end_block)?;
+    writeln!(out, "Data size:          {} bytes", s.data_bytes)?;
     if let Some(v) = &s.verify_merge {
         if v.ok {
-            println!("Merge sequence is consistent.");
+            writeln!(out, "Merge sequence is consistent.")?;
         } else {
-            println!("Merge sequence is inconsistent!");
+            writeln!(out, "Merge sequence is inconsistent!")?;
         }
     }
     if let Some(ops) = &s.ops {
-        println!("Ops in {} order:", s.order.unwrap_or("stream"));
+        writeln!(out, "Ops in {} order:", s.order.unwrap_or("stream"))?;
         for (i, o) in ops.iter().enumerate() {
             let detail = match o.kind {
                 OpKind::Copy => format!("source block {}", o.source),
@@ -248,11 +263,13 @@ fn print_text(s: &Summary) {
                 ),
                 OpKind::Zero => String::new(),
             };
-            println!(
+            writeln!(
+                out,
                 "{i:>8} {:<7} new block {:>10} {detail}",
                 o.kind.name(),
                 o.new_block
-            );
+            )?;
         }
     }
+    Ok(())
 }
