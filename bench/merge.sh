@@ -2,8 +2,9 @@
 # bench/merge.sh: in-place merge, `sync` engine vs `uring` engine vs the
 # device limit, on corpus ext4 pairs, all in one run.
 #
-# For each pair: `vabc diff` old -> new (v3, lz4), then for each engine a
-# fresh copy of old.img and of the COW, caches dropped, `vabc merge --json`
+# For each pair: `vabc diff` old -> new (defaults: v3, zstd:19), then for
+# each engine a fresh, fully allocated copy of old.img and of the COW (a
+# device has no holes to allocate), caches dropped, `vabc merge --json`
 # (wall time, syscalls, fsyncs as counted by the engine), the result checked
 # against new.img. The device limit is the time to read the merge's source
 # bytes and write its destination bytes at the sequential bandwidth fio
@@ -13,6 +14,10 @@
 # does not. The protocol floor adds one measured write+fdatasync latency per
 # sync the run made: the scratch protocol (AOSP's layout, one 2 MiB scratch
 # area) needs 4 serial syncs per window, which no engine can overlap.
+# Engines: sync (per-op baseline), uring-buffered (`--buffered`: through the
+# page cache), uring (the default: O_DIRECT for aligned transfers). The
+# "waits" column splits the run's wall time into time blocked on reads,
+# writes and syncs (the rest is CPU).
 #
 # Usage: bench/merge.sh [-p "medium system"] [-c CORPUS_DIR] [-w WORKDIR]
 # Needs (Debian): fio; the corpus is built with ../shared/corpus/make-corpus.sh.
@@ -49,26 +54,30 @@ WRITE_BW=$(fio_bw write)
 rm -f "$WORK/fio.dat"
 # Latency of one 4 KiB write + fdatasync: the price of each durability step
 # of the crash protocol (4 per scratch window, 2 per REPLACE/ZERO commit).
-FSYNC_S=$(fio --name=fs --filename="$WORK/fsync.dat" --size=8M --bs=4k --rw=randwrite --ioengine=psync \
+FSYNC_S=$(fio --name=fs --filename="$WORK/fsync.dat" --size=8M --bs=4k --rw=randwrite --ioengine=psync --direct=1 \
 	--fdatasync=1 --number_ios=300 --output-format=json 2>/dev/null |
 	python3 -c "import json,sys; j=json.load(sys.stdin)['jobs'][0]; print(j['sync']['lat_ns']['mean'] / 1e9 + j['write']['lat_ns']['mean'] / 1e9)")
 rm -f "$WORK/fsync.dat"
 
-echo "| pair | engine | ops | seconds | syscalls | fsyncs | MB read | MB written (incl. scratch) | device limit s | vs limit | protocol floor s | vs floor | speedup vs sync |"
-echo "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+echo "| pair | engine | ops | seconds | waits read/write/sync s | syscalls | fsyncs | MB read | MB written (incl. scratch) | device limit s | vs limit | protocol floor s | vs floor | speedup vs sync |"
+echo "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 for pair in $PAIRS; do
 	[ -e "$CORPUS/$pair/old.ext4.img" ] || bash "$SHARED/corpus/make-corpus.sh" -p "$pair" -o "$CORPUS" >&2
 	"$VABC" diff "$CORPUS/$pair/old.ext4.img" "$CORPUS/$pair/new.ext4.img" -o "$WORK/$pair.cow" >/dev/null
 	sync_s=
-	for engine in sync uring; do
-		cp "$CORPUS/$pair/old.ext4.img" "$WORK/base.img"
-		cp "$WORK/$pair.cow" "$WORK/merge.cow"
+	for engine in sync uring-buffered uring; do
+		cp --sparse=never "$CORPUS/$pair/old.ext4.img" "$WORK/base.img"
+		cp --sparse=never "$WORK/$pair.cow" "$WORK/merge.cow"
+		case $engine in
+		uring-buffered) args=(--engine uring --buffered) ;;
+		*) args=(--engine "$engine") ;;
+		esac
 		drop
 		t0=$(now)
-		"$VABC" merge --base "$WORK/base.img" --cow "$WORK/merge.cow" --engine "$engine" --json >"$WORK/report.json"
+		"$VABC" merge --base "$WORK/base.img" --cow "$WORK/merge.cow" "${args[@]}" --json >"$WORK/report.json"
 		t1=$(now)
 		cmp "$WORK/base.img" "$CORPUS/$pair/new.ext4.img" || { echo "MISMATCH $pair $engine" >&2; exit 1; }
-		read -r ops sc fs br bw < <(python3 -c "import json; r=json.load(open('$WORK/report.json')); print(r['total_ops'], r['syscalls'], r['fsyncs'], r['bytes_read'], r['bytes_written'])")
+		read -r ops sc fs br bw waits < <(python3 -c "import json; r=json.load(open('$WORK/report.json')); print(r['total_ops'], r['syscalls'], r['fsyncs'], r['bytes_read'], r['bytes_written'], '%.2f/%.2f/%.2f' % (r['read_wait_seconds'], r['write_wait_seconds'], r['sync_wait_seconds']))")
 		secs=$(echo "$t1 - $t0" | bc -l)
 		# The limit: read every COPY/XOR source once, write every destination once.
 		read -r src dst < <("$VABC" inspect --json "$WORK/$pair.cow" | python3 -c "import json,sys; v=json.load(sys.stdin); b=v['blocks_by_type']; print((b.get('COPY',0)+b.get('XOR',0))*4096, v['blocks_covered']*4096)")
@@ -79,17 +88,17 @@ for pair in $PAIRS; do
 		# file cost far less each than this measured one.)
 		floor=$(echo "$limit + $fs * $FSYNC_S" | bc -l)
 		[ "$engine" = sync ] && sync_s=$secs
-		if [ "$engine" = uring ]; then
+		if [ "$engine" != sync ]; then
 			fcol=$(printf '%.2f | %.2fx' "$floor" "$(echo "$secs / $floor" | bc -l)")
 		else
 			fcol="- | -"
 		fi
-		printf '| %s | %s | %d | %.2f | %d | %d | %.1f | %.1f | %.2f | %.2fx | %s | %.2fx |\n' "$pair" "$engine" "$ops" "$secs" "$sc" "$fs" \
+		printf '| %s | %s | %d | %.2f | %s | %d | %d | %.1f | %.1f | %.2f | %.2fx | %s | %.2fx |\n' "$pair" "$engine" "$ops" "$secs" "$waits" "$sc" "$fs" \
 			"$(echo "$br / 1048576" | bc -l)" "$(echo "$bw / 1048576" | bc -l)" "$limit" "$(echo "$secs / $limit" | bc -l)" \
 			"$fcol" "$(echo "$sync_s / $secs" | bc -l)"
 	done
 done
-printf '\nfio on this filesystem: read %.0f MB/s, write %.0f MB/s (1 MiB, O_DIRECT), 4 KiB write + fdatasync %.2f ms\n' \
+printf '\nfio on this filesystem: read %.0f MB/s, write %.0f MB/s (1 MiB, O_DIRECT), 4 KiB O_DIRECT write + fdatasync %.2f ms\n' \
 	"$(echo "$READ_BW / 1048576" | bc -l)" "$(echo "$WRITE_BW / 1048576" | bc -l)" "$(echo "$FSYNC_S * 1000" | bc -l)"
 echo "command: bench/merge.sh -p \"$PAIRS\"   ($(nproc) cores, $(uname -sr), load $(cut -d' ' -f1-3 /proc/loadavg))"
 rm -f "$WORK/base.img" "$WORK/merge.cow"
