@@ -18,9 +18,11 @@
 //! of W was written. A crash between 2 and 4 finds state 2 and rewrites W
 //! from the scratch copy (idempotent). After 4, W is done.
 
+use std::collections::VecDeque;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, mpsc};
+use std::time::Instant;
 
 use cow::format::{BLOCK_SIZE, BLOCK_SIZE_U64};
 use cow::view::xor_into;
@@ -30,6 +32,9 @@ use crate::buf::AlignedBuf;
 use crate::error::{MergeError, Result};
 use crate::io::{Dev, IoStats, MergeIo};
 use crate::status::MergeStatus;
+
+mod prepare;
+use prepare::{Job, Prepared};
 
 /// `read_ahead_state` values (`snapuserd_kernel.h`).
 pub const STATE_NOT_STARTED: u8 = 0;
@@ -92,8 +97,6 @@ struct Pending {
     n: usize,
     /// Where each op's source block starts in the staging area.
     staged_at: Vec<usize>,
-    /// Where each XOR op's stored payload starts in the payload buffer.
-    at: Vec<usize>,
     /// First source offset (for error messages).
     first: u64,
 }
@@ -258,11 +261,10 @@ impl<'a> Merge<'a> {
         // move it with O_DIRECT) holds: the window being merged; its blocks
         // in destination order (see `write_destinations`); and the staging
         // area the next window's sources are read into while this one is
-        // written (see `start_sources`). The XOR payloads of the current and
-        // of the next window have a buffer each.
+        // written (see `start_sources`). XOR payloads are decoded by a
+        // worker thread (see `prepare`).
         let cap = self.window_cap.max(1) * BLOCK_SIZE;
         let mut arena = AlignedBuf::zeroed(4 * cap);
-        let mut stored: [Vec<u8>; 2] = [Vec::new(), Vec::new()];
         if self.window_cap > 0 {
             io.register(&mut arena)
                 .map_err(|e| self.cow_io("register buffer", 0, e))?;
@@ -270,7 +272,44 @@ impl<'a> Merge<'a> {
         let (window, rest) = arena.split_at_mut(cap);
         let (sorted, staging) = rest.split_at_mut(cap);
         let staging = staging.as_mut_ptr();
-        let result = (|| -> Result<()> {
+        // The decoder's reads, and the time spent waiting for it.
+        let mut decoder = IoStats::default();
+        let result = std::thread::scope(|scope| -> Result<()> {
+            let (job_tx, job_rx) = mpsc::channel::<Job>();
+            let (done_tx, done_rx) = mpsc::channel::<Result<Prepared>>();
+            scope.spawn(move || prepare::serve(self, job_rx, done_tx));
+            // Jobs sent and not answered yet, in order.
+            let mut queued: VecDeque<Job> = VecDeque::new();
+            let send = |job: Job, queued: &mut VecDeque<Job>| {
+                // The decoder runs until we hang up; should it have died,
+                // `take` reports it.
+                let _ = job_tx.send(job);
+                queued.push_back(job);
+            };
+            let take =
+                |job: Job, queued: &mut VecDeque<Job>, dec: &mut IoStats| -> Result<Prepared> {
+                    let t = Instant::now();
+                    loop {
+                        let front = queued.pop_front();
+                        let answer = done_rx.recv().map_err(|_| {
+                            self.cow_io(
+                                "decode payloads",
+                                0,
+                                std::io::Error::other("the payload decoder stopped"),
+                            )
+                        })?;
+                        // Answers to jobs no longer wanted (none in practice)
+                        // are skipped.
+                        if front == Some(job) {
+                            let p = answer?;
+                            dec.read_wait += t.elapsed();
+                            dec.syscalls += p.reads;
+                            dec.reads += p.reads;
+                            dec.bytes_read += p.bytes;
+                            return Ok(p);
+                        }
+                    }
+                };
             let mut commits = 0usize;
             let out_of_budget = |c: usize| {
                 self.opts.max_commits.is_some_and(|m| c >= m)
@@ -290,60 +329,71 @@ impl<'a> Merge<'a> {
                     progress(pos, total as u64);
                 }
             }
-            let mut half = 0;
             let mut pending: Option<Pending> = None;
             while (pos as usize) < self.ordered && !out_of_budget(commits) {
-                let n = (self.ordered - pos as usize).min(self.window_cap);
+                let at = pos as usize;
+                let n = (self.ordered - at).min(self.window_cap);
                 let cur = &mut *window;
                 let p = match pending.take() {
                     Some(p) => p,
-                    // SAFETY: the staging area (2 * cap bytes) and
-                    // `stored[half]` are not touched until `finish_sources`
-                    // below waits for the reads.
-                    None => unsafe {
-                        self.start_sources(io, pos as usize, n, staging, &mut stored[half])?
-                    },
+                    None => {
+                        send(Job::Xor { pos: at, n }, &mut queued);
+                        // SAFETY: the staging area (2 * cap bytes) is not
+                        // touched until `finish_sources` below waits for
+                        // the reads.
+                        unsafe { self.start_sources(io, at, n, staging)? }
+                    }
                 };
-                debug_assert_eq!((p.pos, p.n), (pos as usize, n));
+                debug_assert_eq!((p.pos, p.n), (at, n));
+                let xors = take(Job::Xor { pos: at, n }, &mut queued, &mut decoder)?;
                 // SAFETY: the staging area is 2 * cap bytes inside `arena`,
                 // disjoint from every slice in use; `finish_sources` reads
                 // it only after waiting for the reads into it.
                 let staged = unsafe { std::slice::from_raw_parts(staging, 2 * cap) };
-                self.finish_sources(io, &p, cur, staged, &stored[half])?;
+                self.finish_sources(io, &p, cur, staged, &xors.data)?;
                 // Read the next window's sources while this one is written:
                 // in a valid merge order (`Merge::new` checked it) no op
                 // reads a block an earlier op writes, so these writes cannot
-                // change what those reads return.
-                let next = pos as usize + n;
+                // change what those reads return. Its XOR payloads are
+                // decoded meanwhile.
+                let next = at + n;
                 if next < self.ordered && !out_of_budget(commits + 1) {
                     let m = (self.ordered - next).min(self.window_cap);
+                    send(Job::Xor { pos: next, n: m }, &mut queued);
                     // SAFETY: the staging area (consumed by `finish_sources`
-                    // above) and `stored[1 - half]` are left alone until the
-                    // next iteration's `finish_sources` waits for these
-                    // reads; `run` waits for them on every other path before
-                    // the buffers are dropped.
-                    pending = Some(unsafe {
-                        self.start_sources(io, next, m, staging, &mut stored[1 - half])?
-                    });
+                    // above) is left alone until the next iteration's
+                    // `finish_sources` waits for these reads; `run` waits
+                    // for them on every other path before it is dropped.
+                    pending = Some(unsafe { self.start_sources(io, next, m, staging)? });
                 }
-                self.merge_window(io, pos as usize, n, cur, &mut head, sorted)?;
-                half = 1 - half;
+                self.merge_window(io, at, n, cur, &mut head, sorted)?;
                 pos += n as u64;
                 self.commit(io, &mut head, pos)?;
                 report.windows += 1;
                 commits += 1;
                 progress(pos, total as u64);
             }
+            // REPLACE/ZERO: batch N+1 is read and decoded while batch N is
+            // written and synced.
             while (pos as usize) < total && !out_of_budget(commits) {
-                let n = self.merge_replace_batch(io, pos as usize)?;
-                pos += n as u64;
+                let at = pos as usize;
+                if !queued.contains(&Job::Replace { pos: at }) {
+                    send(Job::Replace { pos: at }, &mut queued);
+                }
+                let (end, _) = self.replace_batch(at);
+                if end < total && !out_of_budget(commits + 1) {
+                    send(Job::Replace { pos: end }, &mut queued);
+                }
+                let batch = take(Job::Replace { pos: at }, &mut queued, &mut decoder)?;
+                self.write_replace_batch(io, at, end, &batch.data)?;
+                pos = end as u64;
                 self.commit(io, &mut head, pos)?;
                 commits += 1;
                 progress(pos, total as u64);
             }
             report.commits = commits as u64;
             Ok(())
-        })();
+        });
         // Reads still in flight (a prefetch after the last commit of a
         // bounded run, or an error) must finish before `window` is freed.
         let waited = io.wait_reads();
@@ -352,6 +402,10 @@ impl<'a> Merge<'a> {
         waited.map_err(|e| self.base_io("read sources", 0, e))?;
         report.merged = pos;
         report.io = io.stats();
+        report.io.syscalls += decoder.syscalls;
+        report.io.reads += decoder.reads;
+        report.io.bytes_read += decoder.bytes_read;
+        report.io.read_wait += decoder.read_wait;
         Ok(report)
     }
 
@@ -374,23 +428,22 @@ impl<'a> Merge<'a> {
     }
 
     /// Start reading the sources of order[pos..pos+n] into the staging
-    /// area and the XOR payloads among them into `stored`. Sources are read
+    /// area (the XOR payloads are the decoder's, see `prepare`). Sources are read
     /// in offset order, neighbours and overlaps merged: a window that walks
     /// a shifted run backwards (or XORs a file at a byte offset) then reads
     /// it as a few large requests, instead of one 4 KiB read per op in op
     /// order. `finish_sources` puts each block in its op's slot.
     ///
     /// # Safety
-    /// `staging` points to at least `2 * n` blocks; neither they nor
-    /// `stored` are read, written or moved until `finish_sources` (or
-    /// `io.wait_reads`) returned.
+    /// `staging` points to at least `2 * n` blocks, which are not read,
+    /// written or moved until `finish_sources` (or `io.wait_reads`)
+    /// returned.
     unsafe fn start_sources(
         &self,
         io: &mut dyn MergeIo,
         pos: usize,
         n: usize,
         staging: *mut u8,
-        stored: &mut Vec<u8>,
     ) -> Result<Pending> {
         let ops = &self.order[pos..pos + n];
         let mut by_off: Vec<(u64, usize)> = ops
@@ -423,7 +476,7 @@ impl<'a> Merge<'a> {
                 }
             }
         }
-        let mut reqs: Vec<(u64, *mut u8, usize)> = runs
+        let reqs: Vec<(u64, *mut u8, usize)> = runs
             .iter()
             // Staging arithmetic stays inside the `2 * n` blocks the caller
             // gave (see above).
@@ -434,58 +487,24 @@ impl<'a> Merge<'a> {
         // the reads are waited for.
         unsafe { io.start_reads(Dev::Base, &reqs) }
             .map_err(|e| self.base_io("read sources", first, e))?;
-        // XOR payloads, in file order (the merge order is not the order the
-        // writer laid them out in): neighbours in the COW are one read.
-        let mut xors: Vec<(u64, usize, usize)> = ops
-            .iter()
-            .filter(|o| o.kind == OpKind::Xor)
-            .enumerate()
-            .map(|(k, o)| (o.data_offset, k, o.data_length as usize))
-            .collect();
-        xors.sort_unstable();
-        let mut at = vec![0usize; xors.len()];
-        let mut cow_runs: Vec<(u64, usize)> = Vec::new(); // (file offset, length)
-        let mut len = 0;
-        for &(off, k, l) in &xors {
-            at[k] = len;
-            match cow_runs.last_mut() {
-                Some((o, rl)) if *o + *rl as u64 == off => *rl += l,
-                _ => cow_runs.push((off, l)),
-            }
-            len += l;
-        }
-        stored.clear();
-        stored.resize(len, 0);
-        reqs.clear();
-        let mut p = 0;
-        for &(off, l) in &cow_runs {
-            reqs.push((off, stored.as_mut_ptr().wrapping_add(p), l));
-            p += l;
-        }
-        if !reqs.is_empty() {
-            // SAFETY: `stored` is not resized or touched until the reads are
-            // waited for (caller's contract).
-            unsafe { io.start_reads(Dev::Cow, &reqs) }
-                .map_err(|e| self.cow_io("read payloads", cow_runs[0].0, e))?;
-        }
         Ok(Pending {
             pos,
             n,
             staged_at,
-            at,
             first,
         })
     }
 
     /// Wait for the reads `start_sources` started, put each source block in
-    /// its op's slot of `buf` and apply the XORs.
+    /// its op's slot of `buf` and apply the XORs (`xors`: the decoded
+    /// payloads of the window's XOR ops, in op order).
     fn finish_sources(
         &self,
         io: &mut dyn MergeIo,
         p: &Pending,
         buf: &mut [u8],
         staging: &[u8],
-        stored: &[u8],
+        xors: &[u8],
     ) -> Result<()> {
         io.wait_reads()
             .map_err(|e| self.base_io("read sources", p.first, e))?;
@@ -493,49 +512,17 @@ impl<'a> Merge<'a> {
             buf[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE]
                 .copy_from_slice(&staging[at..at + BLOCK_SIZE]);
         }
-        let mut payload = vec![0u8; BLOCK_SIZE];
         let mut k = 0;
         for (i, op) in self.order[p.pos..p.pos + p.n].iter().enumerate() {
             if op.kind == OpKind::Xor {
-                let s = &stored[p.at[k]..p.at[k] + op.data_length as usize];
-                self.cow.decode_payload(op, s, &mut payload)?;
-                xor_into(&mut buf[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE], &payload);
+                xor_into(
+                    &mut buf[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE],
+                    &xors[k * BLOCK_SIZE..(k + 1) * BLOCK_SIZE],
+                );
                 k += 1;
             }
         }
         Ok(())
-    }
-
-    /// Read the stored payloads of `ops` with as few reads as possible:
-    /// payloads adjacent in the COW (the usual case: the writer lays them
-    /// out in op order) are one read. Returns the bytes and each op's
-    /// position in them.
-    fn read_payloads(&self, io: &mut dyn MergeIo, ops: &[&Op]) -> Result<(Vec<u8>, Vec<usize>)> {
-        let total: usize = ops.iter().map(|o| o.data_length as usize).sum();
-        let mut stored = vec![0u8; total];
-        let mut at = Vec::with_capacity(ops.len());
-        let mut runs: Vec<(u64, usize)> = Vec::new(); // (file offset, length)
-        let mut pos = 0;
-        for op in ops {
-            at.push(pos);
-            let len = op.data_length as usize;
-            match runs.last_mut() {
-                Some((o, l)) if *o + *l as u64 == op.data_offset => *l += len,
-                _ => runs.push((op.data_offset, len)),
-            }
-            pos += len;
-        }
-        let mut reqs: Vec<(u64, &mut [u8])> = Vec::with_capacity(runs.len());
-        let mut rest: &mut [u8] = &mut stored;
-        for &(off, len) in &runs {
-            let (head, tail) = rest.split_at_mut(len);
-            reqs.push((off, head));
-            rest = tail;
-        }
-        let first = runs.first().map_or(0, |r| r.0);
-        io.read_many(Dev::Cow, &mut reqs)
-            .map_err(|e| self.cow_io("read payloads", first, e))?;
-        Ok((stored, at))
     }
 
     fn merge_window(
@@ -714,8 +701,9 @@ impl<'a> Merge<'a> {
             .map_err(|e| self.base_io("write destinations", first, e))
     }
 
-    /// Merge up to `commit_ops` REPLACE/ZERO ops from `pos`; returns how many.
-    fn merge_replace_batch(&self, io: &mut dyn MergeIo, pos: usize) -> Result<usize> {
+    /// The REPLACE/ZERO batch starting at `pos`: up to `commit_ops` ops
+    /// and 8 MiB of new data. Returns (end, bytes).
+    fn replace_batch(&self, pos: usize) -> (usize, usize) {
         const MAX_BYTES: usize = 8 << 20;
         let mut end = pos;
         let mut bytes = 0;
@@ -727,33 +715,22 @@ impl<'a> Merge<'a> {
             bytes += sz;
             end += 1;
         }
-        let ops = &self.order[pos..end];
-        let mut data = AlignedBuf::zeroed(bytes);
-        let replaces: Vec<&Op> = ops.iter().filter(|o| o.kind == OpKind::Replace).collect();
-        let (stored, stored_at) = self.read_payloads(io, &replaces)?;
-        let mut k = 0;
+        (end, bytes)
+    }
+
+    /// Write the decoded batch order[pos..end] (`data`, see `prepare`), in
+    /// runs of consecutive blocks, then sync.
+    fn write_replace_batch(
+        &self,
+        io: &mut dyn MergeIo,
+        pos: usize,
+        end: usize,
+        data: &[u8],
+    ) -> Result<()> {
         let mut runs: Vec<(u64, usize, usize)> = Vec::new(); // (block, byte start, len)
         let mut at = 0;
-        for op in ops {
+        for op in &self.order[pos..end] {
             let len = op.unit_size();
-            match op.kind {
-                OpKind::Replace => {
-                    let s = &stored[stored_at[k]..stored_at[k] + op.data_length as usize];
-                    self.cow.decode_payload(op, s, &mut data[at..at + len])?;
-                    k += 1;
-                }
-                OpKind::Zero => {}
-                OpKind::Copy | OpKind::Xor => {
-                    return Err(MergeError::Corrupt {
-                        path: self.cow_path.clone(),
-                        offset: 0,
-                        msg: format!(
-                            "{} op for block {} after REPLACE/ZERO ops",
-                            op.kind, op.new_block
-                        ),
-                    });
-                }
-            }
             match runs.last_mut() {
                 Some((b, s, l))
                     if *b + (*l / BLOCK_SIZE) as u64 == op.new_block
@@ -772,8 +749,7 @@ impl<'a> Merge<'a> {
             .collect();
         let first = runs.first().map_or(0, |r| r.0 * BLOCK_SIZE_U64);
         io.write_and_sync(Dev::Base, &reqs)
-            .map_err(|e| self.base_io("write REPLACE/ZERO", first, e))?;
-        Ok(end - pos)
+            .map_err(|e| self.base_io("write REPLACE/ZERO", first, e))
     }
 
     /// `num_merge_ops = pos`, `read_ahead_state = 1`: one write of the

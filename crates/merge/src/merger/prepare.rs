@@ -1,0 +1,146 @@
+//! The merge's CPU work that does not depend on the base: reading the
+//! COW's stored payloads and decompressing them. It runs on a worker thread
+//! one step ahead of the I/O thread, so that decoding window N+1's XOR
+//! payloads (or REPLACE batch N+1) overlaps window N's writes and syncs,
+//! instead of sitting between them. Payloads are never written by a merge,
+//! so reading them on another descriptor (the reader's) is safe at any
+//! point of the protocol.
+
+use std::sync::mpsc::{Receiver, Sender};
+
+use cow::format::BLOCK_SIZE;
+use cow::{Op, OpKind};
+
+use super::Merge;
+use crate::buf::AlignedBuf;
+use crate::error::{MergeError, Result};
+
+/// Work for the decoder, in the order the merge needs it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Job {
+    /// The XOR payloads of the window order[pos..pos + n].
+    Xor { pos: usize, n: usize },
+    /// The REPLACE/ZERO batch starting at `pos` (see `Merge::replace_batch`).
+    Replace { pos: usize },
+}
+
+/// A finished job.
+pub(super) struct Prepared {
+    /// Xor: one decoded 4 KiB block per XOR op of the window, in op order.
+    /// Replace: the batch's new data, every unit at its place.
+    pub data: AlignedBuf,
+    /// Reads the decoder issued and bytes it read (for the report).
+    pub reads: u64,
+    pub bytes: u64,
+}
+
+/// The worker loop: answers jobs in order until the sender hangs up or the
+/// receiver is gone.
+pub(super) fn serve(m: &Merge<'_>, jobs: Receiver<Job>, done: Sender<Result<Prepared>>) {
+    for job in jobs {
+        if done.send(m.prepare(job)).is_err() {
+            break;
+        }
+    }
+}
+
+impl Merge<'_> {
+    pub(super) fn prepare(&self, job: Job) -> Result<Prepared> {
+        match job {
+            Job::Xor { pos, n } => {
+                let xors: Vec<&Op> = self.order[pos..pos + n]
+                    .iter()
+                    .filter(|o| o.kind == OpKind::Xor)
+                    .collect();
+                let (stored, at, reads) = self.read_payloads(&xors)?;
+                let mut data = AlignedBuf::zeroed(xors.len() * BLOCK_SIZE);
+                for (k, op) in xors.iter().enumerate() {
+                    let s = &stored[at[k]..at[k] + op.data_length as usize];
+                    self.cow.decode_payload(
+                        op,
+                        s,
+                        &mut data[k * BLOCK_SIZE..(k + 1) * BLOCK_SIZE],
+                    )?;
+                }
+                Ok(Prepared {
+                    data,
+                    reads,
+                    bytes: stored.len() as u64,
+                })
+            }
+            Job::Replace { pos } => {
+                let (end, bytes) = self.replace_batch(pos);
+                let ops = &self.order[pos..end];
+                let replaces: Vec<&Op> = ops.iter().filter(|o| o.kind == OpKind::Replace).collect();
+                let (stored, stored_at, reads) = self.read_payloads(&replaces)?;
+                let mut data = AlignedBuf::zeroed(bytes);
+                let (mut k, mut at) = (0, 0);
+                for op in ops {
+                    let len = op.unit_size();
+                    match op.kind {
+                        OpKind::Replace => {
+                            let s = &stored[stored_at[k]..stored_at[k] + op.data_length as usize];
+                            self.cow.decode_payload(op, s, &mut data[at..at + len])?;
+                            k += 1;
+                        }
+                        OpKind::Zero => {}
+                        OpKind::Copy | OpKind::Xor => {
+                            return Err(MergeError::Corrupt {
+                                path: self.cow_path.clone(),
+                                offset: 0,
+                                msg: format!(
+                                    "{} op for block {} after REPLACE/ZERO ops",
+                                    op.kind, op.new_block
+                                ),
+                            });
+                        }
+                    }
+                    at += len;
+                }
+                Ok(Prepared {
+                    data,
+                    reads,
+                    bytes: stored.len() as u64,
+                })
+            }
+        }
+    }
+
+    /// Read the stored payloads of `ops` in file order (the merge order is
+    /// not the order the writer laid them out in), neighbours in one read,
+    /// and gaps of up to `GAP` bytes read through rather than split.
+    /// Returns the bytes, each op's position in them, and the read count.
+    fn read_payloads(&self, ops: &[&Op]) -> Result<(Vec<u8>, Vec<usize>, u64)> {
+        const GAP: u64 = 32 << 10;
+        let mut by_off: Vec<(u64, usize)> = ops
+            .iter()
+            .enumerate()
+            .map(|(k, o)| (o.data_offset, k))
+            .collect();
+        by_off.sort_unstable();
+        // (file offset, end, position in `stored`)
+        let mut runs: Vec<(u64, u64, usize)> = Vec::new();
+        let mut at = vec![0usize; ops.len()];
+        for &(off, k) in &by_off {
+            let end = off + u64::from(ops[k].data_length);
+            match runs.last_mut() {
+                Some((o, e, p)) if off <= *e + GAP => {
+                    *e = (*e).max(end);
+                    at[k] = *p + (off - *o) as usize;
+                }
+                _ => {
+                    let p = runs.last().map_or(0, |&(o, e, p)| p + (e - o) as usize);
+                    runs.push((off, end, p));
+                    at[k] = p;
+                }
+            }
+        }
+        let total = runs.last().map_or(0, |&(o, e, p)| p + (e - o) as usize);
+        let mut stored = vec![0u8; total];
+        for &(off, end, p) in &runs {
+            self.cow
+                .read_file_at(&mut stored[p..p + (end - off) as usize], off)?;
+        }
+        Ok((stored, at, runs.len() as u64))
+    }
+}
