@@ -74,11 +74,15 @@ pub fn run(a: Args) -> Result<ExitCode> {
     let m = Merge::new(&cow, base_size, a.base.clone(), opts)?;
     let mut io: Box<dyn MergeIo> = match a.engine {
         EngineKind::Uring => {
-            let io = UringIo::new(base, cow_file, a.queue_depth).context("cannot set up io_uring")?;
+            let io =
+                UringIo::new(base, cow_file, a.queue_depth).context("cannot set up io_uring")?;
             if a.buffered {
                 Box::new(io)
             } else {
-                Box::new(io.with_direct().context("cannot open the base or COW with O_DIRECT")?)
+                Box::new(
+                    io.with_direct()
+                        .context("cannot open the base or COW with O_DIRECT")?,
+                )
             }
         }
         EngineKind::Sync => Box::new(SyncIo::new(base, cow_file)),
