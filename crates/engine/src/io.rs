@@ -72,18 +72,32 @@ impl ImageFile {
         self.direct.is_some()
     }
 
-    /// The descriptor a read of `buf` at `offset` can go to as is (e.g. through
-    /// io_uring), or `None` when it needs [`read_exact_at`](Self::read_exact_at): past the
-    /// end, or not aligned for `O_DIRECT`.
-    pub(crate) fn fd_for(&self, buf: &[u8], offset: u64) -> Option<std::os::fd::RawFd> {
+    /// The descriptor a vectored read filling `parts` in turn from `offset` can go to as
+    /// is (e.g. through io_uring), or `None` when it needs
+    /// [`read_exact_at`](Self::read_exact_at) part by part: past the end, or not aligned
+    /// for `O_DIRECT` (every part must be).
+    pub(crate) fn fd_for_parts(
+        &self,
+        parts: &[&mut [u8]],
+        offset: u64,
+    ) -> Option<std::os::fd::RawFd> {
         use std::os::fd::AsRawFd;
-        if offset.checked_add(buf.len() as u64)? > self.size {
+        let len: u64 = parts.iter().map(|p| p.len() as u64).sum();
+        if offset.checked_add(len)? > self.size {
             return None;
         }
         match &self.direct {
             None => Some(self.buffered.as_raw_fd()),
-            Some(d) if is_direct_aligned(buf, offset) => Some(d.as_raw_fd()),
-            Some(_) => None,
+            Some(d) => {
+                let mut at = offset;
+                for p in parts {
+                    if !is_direct_aligned(p, at) {
+                        return None;
+                    }
+                    at += p.len() as u64;
+                }
+                Some(d.as_raw_fd())
+            }
         }
     }
 

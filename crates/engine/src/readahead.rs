@@ -5,8 +5,10 @@
 //! reads, then decompression, then the reply) adds up serially. Once a stream is seen,
 //! the next [`ReadaheadOptions::depth`] bytes are read by background threads in chunks,
 //! and requests that fall inside them are served from memory; the device then works on
-//! request N+1 while request N is copied out. Random reads do not trigger it (two requests
-//! of at least 32 KiB in a row must continue the stream); small ones bypass it.
+//! request N+1 while request N is copied out. [`Readahead::read_with`] does without the
+//! copy: a request inside one chunk is handed the chunk's bytes (a FUSE reply is written
+//! from them). Random reads do not trigger it (two requests of at least 32 KiB in a row
+//! must continue the stream); small ones bypass it.
 //!
 //! Memory stays bounded (chunks more than `depth` behind or ahead of the stream are
 //! dropped), data comes from the inner device's own `read_at` (verified, merge-aware),
@@ -46,7 +48,9 @@ impl Default for ReadaheadOptions {
     fn default() -> Self {
         ReadaheadOptions {
             depth: 4 << 20,
-            chunk: 512 << 10,
+            // A 1 MiB request (FUSE's largest) aligned to it lies in one chunk, so
+            // `read_with` serves it without a copy.
+            chunk: 1 << 20,
             threads: 4,
         }
     }
@@ -54,8 +58,35 @@ impl Default for ReadaheadOptions {
 
 enum Slot {
     Pending,
-    Ready(Arc<AlignedBuf>),
+    Ready(Arc<Chunk>),
     Failed,
+}
+
+/// Free chunk buffers, shared with the chunks so that the last user of a chunk (the
+/// stream moving past it, or a FUSE reply written from it) hands its buffer back: a
+/// fresh 1 MiB buffer costs an allocation and a page fault per page.
+type FreeList = Arc<Mutex<Vec<AlignedBuf>>>;
+
+/// A read-ahead chunk's bytes; its buffer goes back to the free list when dropped.
+struct Chunk {
+    buf: AlignedBuf,
+    free: FreeList,
+}
+
+impl Chunk {
+    fn as_slice(&self) -> &[u8] {
+        self.buf.as_slice()
+    }
+}
+
+impl Drop for Chunk {
+    fn drop(&mut self) {
+        let buf = std::mem::take(&mut self.buf);
+        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        if free.len() < FREE_KEEP {
+            free.push(buf);
+        }
+    }
 }
 
 struct State {
@@ -66,7 +97,6 @@ struct State {
     /// Chunks by offset (few: depth / chunk ahead plus as many behind).
     slots: Vec<(u64, Slot)>,
     queue: VecDeque<u64>,
-    free: Vec<AlignedBuf>,
     shutdown: bool,
 }
 
@@ -74,6 +104,8 @@ struct Shared<D> {
     inner: D,
     opts: ReadaheadOptions,
     state: Mutex<State>,
+    /// Not under `state`: chunks are dropped with and without that lock held.
+    free: FreeList,
     /// Requests currently inside `read_at`.
     in_flight: AtomicUsize,
     /// Signalled when a chunk is queued or on shutdown.
@@ -112,9 +144,9 @@ impl<D: BlockDevice + 'static> Readahead<D> {
                 streak: 0,
                 slots: Vec::new(),
                 queue: VecDeque::new(),
-                free: Vec::new(),
                 shutdown: false,
             }),
+            free: FreeList::default(),
             in_flight: AtomicUsize::new(0),
             work: Condvar::new(),
             done: Condvar::new(),
@@ -141,20 +173,66 @@ impl<D: BlockDevice + 'static> Readahead<D> {
         &self.shared.inner
     }
 
-    fn read_tracked(&self, buf: &mut [u8], offset: u64, end: u64) -> Result<()> {
+    /// Serves `[offset, offset + buf.len())` to `f`: straight from a read-ahead chunk
+    /// when one holds the whole range (no copy: a FUSE reply is written from the chunk
+    /// itself), otherwise after filling `buf` as [`BlockDevice::read_at`] does.
+    pub fn read_with<R>(
+        &self,
+        buf: &mut [u8],
+        offset: u64,
+        f: impl FnOnce(&[u8]) -> R,
+    ) -> Result<R> {
+        Ok(match self.read_or_share(buf, offset)? {
+            Some((c, data)) => {
+                let from = (offset - c) as usize;
+                f(&data.as_slice()[from..from + buf.len()])
+            }
+            None => f(buf),
+        })
+    }
+
+    /// Fills `buf` from `offset`, or returns the one ready chunk `(offset, bytes)` that
+    /// holds all of it (then `buf` is left as it was).
+    fn read_or_share(&self, buf: &mut [u8], offset: u64) -> Result<Option<(u64, Arc<Chunk>)>> {
+        check_range(offset, buf.len(), self.size())?;
+        let s = &self.shared;
+        if buf.is_empty() || (buf.len() as u64) < MIN_STREAM_REQUEST {
+            // Random reads: straight through, without touching the shared state (a
+            // stream they interleave with keeps going).
+            s.inner.read_at(buf, offset)?;
+            return Ok(None);
+        }
+        let end = offset + buf.len() as u64;
+        s.in_flight.fetch_add(1, Ordering::Relaxed);
+        let r = self.read_tracked(buf, offset, end);
+        s.in_flight.fetch_sub(1, Ordering::Relaxed);
+        r
+    }
+
+    /// Fills `buf`, or returns the one chunk (offset, bytes) that holds all of it.
+    fn read_tracked(
+        &self,
+        buf: &mut [u8],
+        offset: u64,
+        end: u64,
+    ) -> Result<Option<(u64, Arc<Chunk>)>> {
         let s = &self.shared;
         let mut st = s.lock();
         s.track(&mut st, offset, end);
-        let Some(chunks) = s.covering(st, offset, end) else {
-            return s.inner.read_at(buf, offset);
+        let Some(mut chunks) = s.covering(st, offset, end) else {
+            s.inner.read_at(buf, offset)?;
+            return Ok(None);
         };
+        if chunks.len() == 1 {
+            return Ok(chunks.pop());
+        }
         for (c, data) in chunks {
             let from = offset.max(c);
             let to = end.min(c + data.as_slice().len() as u64);
             buf[(from - offset) as usize..(to - offset) as usize]
                 .copy_from_slice(&data.as_slice()[(from - c) as usize..(to - c) as usize]);
         }
-        Ok(())
+        Ok(None)
     }
 }
 
@@ -186,14 +264,21 @@ impl<D: BlockDevice> Shared<D> {
                 st = self.work.wait(st).unwrap_or_else(|p| p.into_inner());
                 continue;
             };
-            let mut buf = st.free.pop().unwrap_or_default();
+            let mut buf = (self.free.lock().unwrap_or_else(|p| p.into_inner()))
+                .pop()
+                .unwrap_or_default();
             drop(st);
             let len = (self.opts.chunk as u64).min(self.inner.size() - off) as usize;
             let ok = self.inner.read_at(buf.slice_mut(len), off).is_ok();
+            // Unused (failed, or dropped meanwhile), the buffer returns to the free list.
+            let chunk = Chunk {
+                buf,
+                free: self.free.clone(),
+            };
             st = self.lock();
             if let Some((_, slot)) = st.slots.iter_mut().find(|(o, _)| *o == off) {
                 *slot = if ok {
-                    Slot::Ready(Arc::new(buf))
+                    Slot::Ready(Arc::new(chunk))
                 } else {
                     Slot::Failed
                 };
@@ -218,19 +303,8 @@ impl<D: BlockDevice> Shared<D> {
         // Drop chunks the stream has left behind (or never reached, after a jump);
         // pending ones go once their read completes.
         let (lo, hi) = (st.hi.saturating_sub(depth), st.hi + depth);
-        let mut free = std::mem::take(&mut st.free);
-        st.slots.retain_mut(|(o, slot)| {
-            let keep = matches!(slot, Slot::Pending) || (*o + chunk > lo && *o < hi);
-            if !keep
-                && let Slot::Ready(buf) = std::mem::replace(slot, Slot::Failed)
-                && let Ok(buf) = Arc::try_unwrap(buf)
-                && free.len() < FREE_KEEP
-            {
-                free.push(buf);
-            }
-            keep
-        });
-        st.free = free;
+        st.slots
+            .retain(|(o, slot)| matches!(slot, Slot::Pending) || (*o + chunk > lo && *o < hi));
         if st.streak < 2 || self.in_flight.load(Ordering::Relaxed) > SHALLOW_QUEUE {
             return;
         }
@@ -257,7 +331,7 @@ impl<D: BlockDevice> Shared<D> {
         mut st: MutexGuard<'_, State>,
         off: u64,
         end: u64,
-    ) -> Option<Vec<(u64, Arc<AlignedBuf>)>> {
+    ) -> Option<Vec<(u64, Arc<Chunk>)>> {
         let chunk = self.opts.chunk as u64;
         loop {
             let mut out = Vec::new();
@@ -289,21 +363,11 @@ impl<D: BlockDevice + 'static> BlockDevice for Readahead<D> {
     }
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
-        check_range(offset, buf.len(), self.size())?;
-        if buf.is_empty() {
-            return Ok(());
+        if let Some((c, data)) = self.read_or_share(buf, offset)? {
+            let from = (offset - c) as usize;
+            buf.copy_from_slice(&data.as_slice()[from..from + buf.len()]);
         }
-        let s = &self.shared;
-        if (buf.len() as u64) < MIN_STREAM_REQUEST {
-            // Random reads: straight through, without touching the shared state (a
-            // stream they interleave with keeps going).
-            return s.inner.read_at(buf, offset);
-        }
-        let end = offset + buf.len() as u64;
-        s.in_flight.fetch_add(1, Ordering::Relaxed);
-        let r = self.read_tracked(buf, offset, end);
-        s.in_flight.fetch_sub(1, Ordering::Relaxed);
-        r
+        Ok(())
     }
 
     fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
@@ -455,5 +519,52 @@ mod tests {
         check(&d, size - 10, 10);
         let mut past = [0u8; 2];
         assert!(d.read_at(&mut past, size - 1).is_err());
+    }
+
+    #[test]
+    fn read_with_shares_whole_chunks_and_matches_read_at() {
+        let size = (6 << 20) + 4096;
+        let d = dev(size, None);
+        let chunk = 128 << 10;
+        let mut shared = 0;
+        let mut buf = vec![0u8; chunk];
+        let mut off = 0u64;
+        // Chunk-sized, chunk-aligned requests (as FUSE sends 1 MiB ones), then a short
+        // last one and one that straddles two chunks.
+        while off < size {
+            let len = (chunk as u64).min(size - off) as usize;
+            let copied_into = buf.as_ptr();
+            let (same, ok) = d
+                .read_with(&mut buf[..len], off, |data| {
+                    let ok = data.len() == len
+                        && data
+                            .iter()
+                            .enumerate()
+                            .all(|(i, b)| *b == byte(off + i as u64));
+                    (std::ptr::eq(data.as_ptr(), copied_into), ok)
+                })
+                .unwrap();
+            assert!(ok, "{len} bytes at {off}");
+            shared += usize::from(!same);
+            off += len as u64;
+        }
+        assert!(shared > 10, "{shared} requests served from chunks");
+        let straddle = (2 * chunk - 4096) as u64;
+        let ok = d
+            .read_with(&mut buf, straddle, |data| {
+                data.iter()
+                    .enumerate()
+                    .all(|(i, b)| *b == byte(straddle + i as u64))
+            })
+            .unwrap();
+        assert!(ok, "straddling two chunks");
+        // Errors reach the caller, and `f` is not called.
+        let mut called = false;
+        let mut past = vec![0u8; 64 << 10];
+        assert!(
+            d.read_with(&mut past, size - 4096, |_| called = true)
+                .is_err()
+        );
+        assert!(!called);
     }
 }

@@ -12,16 +12,36 @@ use std::io;
 use std::os::fd::RawFd;
 
 use io_uring::{IoUring, opcode, types};
+use smallvec::SmallVec;
 
 /// Submission queue size of each thread's ring; longer batches go in several rounds.
 const RING_ENTRIES: u32 = 64;
 
-/// One read: fill `buf` from `offset` of `fd`.
+/// Most iovecs one `readv` takes (`UIO_MAXIOV`); longer lists go in several rounds.
+const IOV_MAX: usize = 1024;
+
+/// One read: fill `bufs`, in order, from the contiguous range of `fd` at `offset`.
+/// Several buffers make one vectored read (a run of the file scattered to its
+/// destinations by the kernel, with no bounce copy).
 #[derive(Debug)]
 pub(crate) struct Read<'a> {
     pub fd: RawFd,
     pub offset: u64,
-    pub buf: &'a mut [u8],
+    pub bufs: SmallVec<[&'a mut [u8]; 1]>,
+}
+
+impl<'a> Read<'a> {
+    #[cfg(test)]
+    pub(crate) fn new(fd: RawFd, offset: u64, buf: &'a mut [u8]) -> Read<'a> {
+        let mut bufs = SmallVec::new();
+        bufs.push(buf);
+        Read { fd, offset, bufs }
+    }
+
+    /// Bytes this read fills.
+    pub(crate) fn len(&self) -> usize {
+        self.bufs.iter().map(|b| b.len()).sum()
+    }
 }
 
 enum Ring {
@@ -79,12 +99,21 @@ pub(crate) fn read_batch(reads: &mut [Read<'_>]) -> Option<Vec<io::Result<()>>> 
 
 fn run(ring: &mut IoUring, reads: &mut [Read<'_>]) -> Vec<io::Result<()>> {
     let n = reads.len();
+    let lens: Vec<usize> = reads.iter().map(Read::len).collect();
     let mut done = vec![0usize; n];
+    // iovecs of the vectored read in flight for each read, kept unmoved until it completes.
+    let mut iovs: Vec<Vec<libc::iovec>> = (0..n).map(|_| Vec::new()).collect();
     let mut results: Vec<Option<io::Result<()>>> = (0..n).map(|_| None).collect();
-    // Reads waiting to be (re)submitted, as indices; short reads come back for the rest.
-    let mut queue: Vec<usize> = (0..n).rev().collect();
-    let mut in_flight = 0usize;
     let mut finished = 0usize;
+    for (i, len) in lens.iter().enumerate() {
+        if *len == 0 {
+            results[i] = Some(Ok(()));
+            finished += 1;
+        }
+    }
+    // Reads waiting to be (re)submitted, as indices; short reads come back for the rest.
+    let mut queue: Vec<usize> = (0..n).rev().filter(|&i| lens[i] > 0).collect();
+    let mut in_flight = 0usize;
     while finished < n {
         {
             let mut sq = ring.submission();
@@ -93,17 +122,26 @@ fn run(ring: &mut IoUring, reads: &mut [Read<'_>]) -> Vec<io::Result<()>> {
                     break;
                 }
                 let r = &mut reads[i];
-                let rest = &mut r.buf[done[i]..];
-                let len = rest.len().min(u32::MAX as usize) as u32;
-                let entry = opcode::Read::new(types::Fd(r.fd), rest.as_mut_ptr(), len)
-                    .offset(r.offset + done[i] as u64)
-                    .build()
-                    .user_data(i as u64);
-                // SAFETY: the entry points into `reads[i].buf`, which the caller keeps
-                // borrowed (and so alive and unmoved) until this function returns, and
-                // this function returns only after every submitted entry has completed.
-                // Each buffer has at most one read in flight at a time.
-                if unsafe { sq.push(&entry) }.is_err() {
+                let at = r.offset + done[i] as u64;
+                let entry = if r.bufs.len() == 1 {
+                    let rest = &mut r.bufs[0][done[i]..];
+                    let len = rest.len().min(u32::MAX as usize) as u32;
+                    opcode::Read::new(types::Fd(r.fd), rest.as_mut_ptr(), len)
+                        .offset(at)
+                        .build()
+                } else {
+                    let v = &mut iovs[i];
+                    fill_iovecs(v, &mut r.bufs, done[i]);
+                    opcode::Readv::new(types::Fd(r.fd), v.as_ptr(), v.len() as u32)
+                        .offset(at)
+                        .build()
+                };
+                // SAFETY: the entry points into `reads[i].bufs` (directly or through
+                // `iovs[i]`, which is not touched again until this entry completes); the
+                // caller keeps the buffers borrowed (alive and unmoved) until this
+                // function returns, and it returns only after every submitted entry has
+                // completed. Each buffer has at most one read in flight at a time.
+                if unsafe { sq.push(&entry.user_data(i as u64)) }.is_err() {
                     break;
                 }
                 queue.pop();
@@ -143,16 +181,12 @@ fn run(ring: &mut IoUring, reads: &mut [Read<'_>]) -> Vec<io::Result<()>> {
             } else if res == 0 {
                 results[i] = Some(Err(io::Error::new(
                     io::ErrorKind::UnexpectedEof,
-                    format!(
-                        "end of file after {} of {} bytes",
-                        done[i],
-                        reads[i].buf.len()
-                    ),
+                    format!("end of file after {} of {} bytes", done[i], lens[i]),
                 )));
                 finished += 1;
             } else {
                 done[i] += res as usize;
-                if done[i] >= reads[i].buf.len() {
+                if done[i] >= lens[i] {
                     results[i] = Some(Ok(()));
                     finished += 1;
                 } else {
@@ -165,6 +199,34 @@ fn run(ring: &mut IoUring, reads: &mut [Read<'_>]) -> Vec<io::Result<()>> {
         .into_iter()
         .map(|r| r.unwrap_or_else(|| Err(io::Error::other("read not completed"))))
         .collect()
+}
+
+/// The iovecs of `bufs` past their first `skip` bytes, neighbours in memory merged, at
+/// most [`IOV_MAX`] (the rest comes back as a short read).
+fn fill_iovecs(v: &mut Vec<libc::iovec>, bufs: &mut [&mut [u8]], mut skip: usize) {
+    v.clear();
+    for b in bufs.iter_mut() {
+        if skip >= b.len() {
+            skip -= b.len();
+            continue;
+        }
+        let rest = &mut b[skip..];
+        skip = 0;
+        let (base, len) = (rest.as_mut_ptr(), rest.len());
+        if let Some(last) = v.last_mut()
+            && last.iov_base as usize + last.iov_len == base as usize
+        {
+            last.iov_len += len;
+            continue;
+        }
+        if v.len() == IOV_MAX {
+            break;
+        }
+        v.push(libc::iovec {
+            iov_base: base.cast(),
+            iov_len: len,
+        });
+    }
 }
 
 #[cfg(test)]
@@ -197,11 +259,7 @@ mod tests {
         let mut reads: Vec<Read<'_>> = specs
             .iter()
             .zip(bufs.iter_mut())
-            .map(|(&(offset, _), buf)| Read {
-                fd: file.as_raw_fd(),
-                offset,
-                buf,
-            })
+            .map(|(&(offset, _), buf)| Read::new(file.as_raw_fd(), offset, buf))
             .collect();
         let results = read_batch(&mut reads).expect("io_uring available");
         assert!(results.iter().all(|r| r.is_ok()));
@@ -230,22 +288,10 @@ mod tests {
             .as_ref()
             .map_or(f.as_file().as_raw_fd(), |d| d.as_raw_fd());
         let mut reads = vec![
-            Read {
-                fd,
-                offset: 512 << 10,
-                buf: aligned.slice_mut(256 << 10),
-            },
+            Read::new(fd, 512 << 10, aligned.slice_mut(256 << 10)),
             // Starts past the end: an error for this read only.
-            Read {
-                fd: f.as_file().as_raw_fd(),
-                offset: data.len() as u64 + 10,
-                buf: &mut past,
-            },
-            Read {
-                fd: -1,
-                offset: 0,
-                buf: &mut small,
-            },
+            Read::new(f.as_file().as_raw_fd(), data.len() as u64 + 10, &mut past),
+            Read::new(-1, 0, &mut small),
         ];
         let results = read_batch(&mut reads).expect("io_uring available");
         assert!(results[0].is_ok());
@@ -257,5 +303,57 @@ mod tests {
         );
         drop(reads);
         assert!(aligned.as_slice() == &data[512 << 10..768 << 10]);
+    }
+
+    #[test]
+    fn vectored_reads_scatter_in_order_direct_and_buffered() {
+        let data = pattern(8 << 20);
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        f.write_all(&data).unwrap();
+        f.as_file().sync_all().unwrap();
+        let direct = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(f.path());
+        // Page-aligned pieces of page-multiple sizes (as O_DIRECT needs), some adjacent in
+        // memory (merged into one iovec), plus more pieces than one readv takes.
+        let mut mem = crate::AlignedBuf::new(16 << 20);
+        let region = mem.slice_mut(16 << 20);
+        let mut sizes: Vec<usize> = vec![4096, 8192, 4096, 65536, 4096];
+        sizes.extend(std::iter::repeat_n(4096, 1500));
+        for fd in [
+            direct.as_ref().map_or(-1, |d| d.as_raw_fd()),
+            f.as_file().as_raw_fd(),
+        ] {
+            if fd < 0 {
+                continue;
+            }
+            region.fill(0);
+            // Every other piece skips a page of memory, so the iovecs do not merge.
+            let mut bufs: SmallVec<[&mut [u8]; 1]> = SmallVec::new();
+            let mut rest = &mut region[..];
+            for (k, &len) in sizes.iter().enumerate() {
+                let gap = if k % 2 == 0 { 4096 } else { 0 };
+                let (_, r) = std::mem::take(&mut rest).split_at_mut(gap);
+                let (piece, r) = r.split_at_mut(len);
+                bufs.push(piece);
+                rest = r;
+            }
+            let total: usize = sizes.iter().sum();
+            let offset = 12 * 4096u64;
+            let mut reads = vec![Read { fd, offset, bufs }];
+            let results = read_batch(&mut reads).expect("io_uring available");
+            assert!(results[0].is_ok(), "{:?}", results[0]);
+            let got: Vec<u8> = reads[0]
+                .bufs
+                .iter()
+                .flat_map(|b| b.iter().copied())
+                .collect();
+            assert_eq!(got.len(), total);
+            assert!(
+                got == data[offset as usize..offset as usize + total],
+                "fd {fd}"
+            );
+        }
     }
 }

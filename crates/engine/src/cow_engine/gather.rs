@@ -4,23 +4,30 @@
 //! destination order their sources are scattered, but sorted they are nearly contiguous:
 //! on the corpus `system` ext4 pair a 1 MiB request needs ~250 base blocks from ~4 source
 //! runs, and its XOR payloads sit together in the COW data area (the writer emits data in
-//! op order). So a large request sorts the source ranges of its base and XOR segments,
+//! op order). So a large request sorts the source ranges of its base and XOR segments and
 //! cuts them into runs (neighbours at most [`BASE_GAP`] apart are read together, the gap
-//! discarded), reads each run with one `pread` (in parallel on the I/O pool when there are
-//! several), and scatters the bytes to their destinations. The XOR payloads and the
-//! stored bytes of fully covered REPLACE units are fetched the same way from the COW, then
-//! decoded from memory (`CowReader::decode_payload`). Hundreds of 4 KiB reads become a
-//! handful of large ones; the price is one memory copy of the request.
+//! discarded). Each run is one vectored read, all of them submitted at once through the
+//! thread's io_uring (in parallel on the I/O pool without one): page-aligned sources
+//! whose destination is page-aligned too (COPY and unchanged blocks, XORs at block
+//! offsets, into a FUSE worker's aligned reply buffer) are scattered by the kernel
+//! straight to their destination, with `O_DIRECT` where the base allows it; the rest of
+//! the run (gaps, XOR sources at byte offsets, sources two destinations share) lands in a
+//! bounce buffer. The XOR payloads and the stored bytes of fully covered REPLACE units are
+//! fetched the same way from the COW (`O_DIRECT` too), then decoded from memory
+//! (`CowReader::decode_payload`): an XOR block is written as source XOR payload in one
+//! pass. Hundreds of 4 KiB reads become a handful of large ones, and on the corpus pairs
+//! most bytes are never copied by the CPU on the way to the reply.
 
 use std::ops::Range;
-use std::os::fd::AsRawFd;
 use std::sync::Mutex;
 
 use cow::OpKind;
 
-use super::{CowEngine, Seg, xor_into};
+use smallvec::SmallVec;
+
+use super::{CowEngine, Seg, xor_into, xor_to};
 use crate::error::{EngineError, Result};
-use crate::io::{AlignedBuf, DIRECT_ALIGN};
+use crate::io::{AlignedBuf, DIRECT_ALIGN, ImageFile};
 use crate::{BLOCK_SIZE, uring};
 
 /// Base sources at most this far apart are read as one run. Reading the gap costs less
@@ -96,7 +103,8 @@ impl BufPool {
     }
 
     fn give(&self, buf: AlignedBuf) {
-        if buf.capacity() > RUN_MAX as usize + DIRECT_ALIGN {
+        // A run widened to the alignment on both sides, plus the alignment slack.
+        if buf.capacity() > RUN_MAX as usize + 3 * DIRECT_ALIGN {
             return;
         }
         let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
@@ -106,12 +114,73 @@ impl BufPool {
     }
 }
 
-/// Where a run's bytes land: straight in the one destination it serves, or a bounce
-/// buffer that is scattered afterwards (`skip`: bytes before the run's start that
-/// alignment added).
-enum Fetch<'a> {
-    Direct(&'a mut [u8]),
-    Bounce { buf: AlignedBuf, skip: usize },
+/// The buffers one run is read into, in file order: destinations that take their source
+/// bytes as they are (aligned base segments), and pieces of the run's bounce buffer for
+/// everything else (gaps, XOR sources at byte offsets, overlapping sources).
+type Parts<'a> = SmallVec<[&'a mut [u8]; 4]>;
+
+/// Parts per run: well under the kernel's iovec limit, so a run is one `readv`.
+const PARTS_MAX: usize = 256;
+
+/// `[start, end)` of `run` widened to the `O_DIRECT` alignment, clipped at `size` (where
+/// the image reads the tail through its buffered descriptor).
+fn extent(run: &Run, size: u64) -> (u64, u64) {
+    let a = DIRECT_ALIGN as u64;
+    let start = run.start / a * a;
+    let end = run.end.div_ceil(a).saturating_mul(a).min(size).max(run.end);
+    (start, end)
+}
+
+/// Splits the read of `run` (file bytes from `start`, `bounce` holding all of them) into
+/// parts: each want that can be read in place (page-aligned source range and destination,
+/// the whole segment, no other want sharing its bytes) gets its destination, taken out of
+/// `dsts` and marked in `in_place`; the bytes between them go to the matching ranges of
+/// `bounce`.
+fn scatter_parts<'x>(
+    run: &Run,
+    start: u64,
+    bounce: &'x mut [u8],
+    wants: &[Want],
+    dsts: &mut [(Seg, &'x mut [u8])],
+    in_place: &mut [bool],
+) -> Parts<'x> {
+    let a = DIRECT_ALIGN as u64;
+    let ws = &wants[run.wants.clone()];
+    let mut parts: Parts<'x> = SmallVec::new();
+    // `rest` is the bounce from file offset `pos` on.
+    let mut rest: &'x mut [u8] = bounce;
+    let mut pos = start;
+    let mut max_end = start;
+    for (k, w) in ws.iter().enumerate() {
+        let shares_prev = w.start < max_end;
+        max_end = max_end.max(w.end);
+        let shares_next = ws.get(k + 1).is_some_and(|n| n.start < w.end);
+        let (seg, dst) = &dsts[w.item];
+        let fits = !shares_prev
+            && !shares_next
+            && matches!(seg, Seg::Base { .. } | Seg::Xor { .. })
+            && w.start.is_multiple_of(a)
+            && w.end.is_multiple_of(a)
+            && dst.len() as u64 == w.end - w.start
+            && (dst.as_ptr() as usize).is_multiple_of(DIRECT_ALIGN)
+            && parts.len() + 3 <= PARTS_MAX;
+        if !fits {
+            continue;
+        }
+        let (gap, r) = std::mem::take(&mut rest).split_at_mut((w.start - pos) as usize);
+        let (_, r) = r.split_at_mut((w.end - w.start) as usize);
+        rest = r;
+        if !gap.is_empty() {
+            parts.push(gap);
+        }
+        parts.push(std::mem::take(&mut dsts[w.item].1));
+        in_place[w.item] = true;
+        pos = w.end;
+    }
+    if !rest.is_empty() {
+        parts.push(rest);
+    }
+    parts
 }
 
 impl CowEngine {
@@ -176,49 +245,51 @@ impl CowEngine {
         }
         let base_runs = plan_runs(&mut base_wants, BASE_GAP, RUN_MAX);
         let cow_runs = plan_runs(&mut cow_wants, COW_GAP, RUN_MAX);
-
-        // Phase 1: every run in flight at once; zero and partial-unit segments meanwhile.
-        let mut base_fetch: Vec<Fetch<'_>> = Vec::with_capacity(base_runs.len());
-        for run in &base_runs {
-            let w = &base_wants[run.wants.start];
-            // A run of one base segment is read in place, as the inline path would.
-            base_fetch.push(
-                if run.wants.len() == 1 && matches!(targets[w.item].0, Seg::Base { .. }) {
-                    Fetch::Direct(std::mem::take(&mut targets[w.item].1))
-                } else {
-                    Fetch::Bounce {
-                        buf: self.bounce.take(run.end - run.start + DIRECT_ALIGN as u64),
-                        skip: 0,
-                    }
-                },
-            );
-        }
-        let mut cow_bufs: Vec<AlignedBuf> = cow_runs
+        let base_size = self.base.size();
+        let base_ext: Vec<(u64, u64)> = base_runs.iter().map(|r| extent(r, base_size)).collect();
+        // Without the second COW descriptor the runs are read as they are (`pread`).
+        let cow_ext: Vec<(u64, u64)> = match &self.cow_file {
+            Some(f) => cow_runs.iter().map(|r| extent(r, f.size())).collect(),
+            None => cow_runs.iter().map(|r| (r.start, r.end)).collect(),
+        };
+        let mut base_bufs: Vec<AlignedBuf> = base_ext
             .iter()
-            .map(|run| self.bounce.take(run.end - run.start))
+            .map(|&(s, e)| self.bounce.take(e - s))
             .collect();
+        let mut cow_bufs: Vec<AlignedBuf> = cow_ext
+            .iter()
+            .map(|&(s, e)| self.bounce.take(e - s))
+            .collect();
+
+        // Phase 1: every run in flight at once, each scattered by the kernel to the
+        // destinations it can fill in place; zero and partial-unit segments meanwhile.
+        let mut in_place = vec![false; targets.len()];
         let io_result = {
-            // File offset and destination of every read.
-            let mut base_io: Vec<(u64, &mut [u8])> = base_runs
+            // The destinations, reborrowed for the reads: the XOR ones are used again
+            // afterwards, through `targets`.
+            let mut dsts: Vec<(Seg, &mut [u8])> = targets
+                .iter_mut()
+                .map(|(seg, d)| (*seg, &mut **d))
+                .collect();
+            let mut base_io: Vec<(u64, Parts<'_>)> = base_runs
                 .iter()
-                .zip(base_fetch.iter_mut())
-                .map(|(run, fetch)| match fetch {
-                    Fetch::Direct(dst) => (run.start, &mut **dst),
-                    Fetch::Bounce { buf, skip } => {
-                        // Widen to the O_DIRECT alignment (clipped at the end of the file,
-                        // where the image reads the tail through its buffered descriptor).
-                        let a = DIRECT_ALIGN as u64;
-                        let start = run.start / a * a;
-                        let end = run.end.div_ceil(a).saturating_mul(a).min(self.base.size());
-                        *skip = (run.start - start) as usize;
-                        (start, buf.slice_mut((end - start) as usize))
-                    }
+                .zip(&base_ext)
+                .zip(base_bufs.iter_mut())
+                .map(|((run, &(s, e)), b)| {
+                    let bounce = b.slice_mut((e - s) as usize);
+                    let parts =
+                        scatter_parts(run, s, bounce, &base_wants, &mut dsts, &mut in_place);
+                    (s, parts)
                 })
                 .collect();
-            let mut cow_io: Vec<(u64, &mut [u8])> = cow_runs
+            let mut cow_io: Vec<(u64, Parts<'_>)> = cow_ext
                 .iter()
                 .zip(cow_bufs.iter_mut())
-                .map(|(run, buf)| (run.start, buf.slice_mut((run.end - run.start) as usize)))
+                .map(|(&(s, e), b)| {
+                    let mut parts = Parts::new();
+                    parts.push(b.slice_mut((e - s) as usize));
+                    (s, parts)
+                })
                 .collect();
             self.stats
                 .base_reads
@@ -231,67 +302,94 @@ impl CowEngine {
             r.and(others_result)
         };
         if let Err(e) = io_result {
-            self.recycle(base_fetch, cow_bufs);
+            self.recycle(base_bufs, cow_bufs);
             return Err(e);
         }
+        let n: usize = (targets.iter().zip(&in_place))
+            .filter(|(_, p)| **p)
+            .map(|(t, _)| t.1.len())
+            .sum();
+        self.stats
+            .in_place_bytes
+            .fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
 
-        // Phase 2: scatter the base bytes, then decode the COW payloads over them.
-        for (run, fetch) in base_runs.iter().zip(base_fetch.iter()) {
-            let Fetch::Bounce { buf, skip } = fetch else {
-                continue;
-            };
-            let data = &buf.as_slice()[*skip..];
+        // Phase 2: copy the base bytes that went to a bounce buffer (XOR sources are
+        // combined with their payload in one pass instead), then decode the COW payloads.
+        let mut base_src: Vec<Option<&[u8]>> = vec![None; targets.len()];
+        for ((run, &(s, _)), b) in base_runs.iter().zip(&base_ext).zip(&base_bufs) {
+            let data = b.as_slice();
             for w in &base_wants[run.wants.clone()] {
-                let from = (w.start - run.start) as usize;
-                let dst = &mut targets[w.item].1;
-                dst.copy_from_slice(&data[from..from + dst.len()]);
+                let (seg, dst) = &mut targets[w.item];
+                if in_place[w.item] {
+                    continue;
+                }
+                let from = (w.start - s) as usize;
+                let src = &data[from..from + dst.len()];
+                match seg {
+                    Seg::Xor { .. } => base_src[w.item] = Some(src),
+                    _ => dst.copy_from_slice(src),
+                }
             }
         }
-        let result = self.decode_from_runs(&cow_runs, &cow_wants, &cow_bufs, &mut targets);
-        self.recycle(base_fetch, cow_bufs);
+        let stored =
+            cow_runs
+                .iter()
+                .zip(&cow_ext)
+                .zip(&cow_bufs)
+                .flat_map(|((run, &(s, _)), b)| {
+                    let data = b.as_slice();
+                    cow_wants[run.wants.clone()].iter().map(move |w| {
+                        let from = (w.start - s) as usize;
+                        (w.item, &data[from..from + (w.end - w.start) as usize])
+                    })
+                });
+        let result = self.decode_from_runs(stored, &base_src, &mut targets);
+        self.recycle(base_bufs, cow_bufs);
         result
     }
 
-    /// Reads `(offset, buffer)` pairs from the base and from the COW: all submitted at
-    /// once through this thread's io_uring, or, without one, on the I/O pool.
-    fn read_runs(
+    /// Reads `(offset, parts)` pairs (each part filled in turn from the file at `offset`)
+    /// from the base and from the COW: all submitted at once through this thread's
+    /// io_uring, or, without one, on the I/O pool.
+    fn read_runs<'a>(
         &self,
-        base_io: &mut [(u64, &mut [u8])],
-        cow_io: &mut [(u64, &mut [u8])],
+        base_io: &mut [(u64, Parts<'a>)],
+        cow_io: &mut [(u64, Parts<'a>)],
     ) -> Result<()> {
-        let cow_fd = self.cow_file.as_ref().map(|f| f.as_raw_fd());
         let jobs = base_io.len() + cow_io.len();
-        if jobs > 1 && (cow_io.is_empty() || cow_fd.is_some()) && uring::available() {
+        // Even a single run goes through the ring: it may be scattered to many parts,
+        // which one vectored read fills and `pread` would need one call for each.
+        if (cow_io.is_empty() || self.cow_file.is_some()) && uring::available() {
             let mut reads: Vec<uring::Read<'_>> = Vec::with_capacity(jobs);
             // Where each read comes from, for error messages: (is_cow, offset).
             let mut whence: Vec<(bool, u64)> = Vec::with_capacity(jobs);
-            let mut sync: Vec<(u64, &mut [u8])> = Vec::new();
-            for (offset, buf) in base_io.iter_mut() {
-                match self.base.fd_for(buf, *offset) {
+            let mut sync: Vec<(&ImageFile, u64, &mut Parts<'_>)> = Vec::new();
+            let cow_io: &mut [(u64, Parts<'a>)] = match &self.cow_file {
+                Some(_) => cow_io,
+                None => &mut [],
+            };
+            let files = std::iter::repeat((&self.base, false))
+                .zip(base_io.iter_mut())
+                .chain(
+                    std::iter::repeat((self.cow_file.as_ref().unwrap_or(&self.base), true))
+                        .zip(cow_io.iter_mut()),
+                );
+            for ((file, is_cow), (offset, parts)) in files {
+                match file.fd_for_parts(parts, *offset) {
                     Some(fd) => {
-                        whence.push((false, *offset));
+                        whence.push((is_cow, *offset));
                         reads.push(uring::Read {
                             fd,
                             offset: *offset,
-                            buf,
+                            bufs: parts.iter_mut().map(|p| &mut **p).collect(),
                         });
                     }
-                    None => sync.push((*offset, &mut **buf)),
-                }
-            }
-            if let Some(fd) = cow_fd {
-                for (offset, buf) in cow_io.iter_mut() {
-                    whence.push((true, *offset));
-                    reads.push(uring::Read {
-                        fd,
-                        offset: *offset,
-                        buf,
-                    });
+                    None => sync.push((file, *offset, parts)),
                 }
             }
             if let Some(results) = uring::read_batch(&mut reads) {
-                for (offset, buf) in sync {
-                    self.base.read_exact_at(buf, offset)?;
+                for (file, offset, parts) in sync {
+                    read_parts(file, offset, parts)?;
                 }
                 for (r, (is_cow, offset)) in results.into_iter().zip(whence) {
                     r.map_err(|source| EngineError::Io {
@@ -317,30 +415,36 @@ impl CowEngine {
                 slot.get_or_insert(e);
             }
         };
-        let read_base = |offset: u64, buf: &mut [u8]| self.base.read_exact_at(buf, offset);
-        let read_cow = |offset: u64, buf: &mut [u8]| {
-            self.reader
-                .read_file_at(buf, offset)
-                .map_err(EngineError::from)
+        let read_base = |offset: u64, parts: &mut Parts<'_>| read_parts(&self.base, offset, parts);
+        let read_cow = |offset: u64, parts: &mut Parts<'_>| match &self.cow_file {
+            Some(f) => read_parts(f, offset, parts),
+            None => parts
+                .iter_mut()
+                .try_fold(offset, |at, p| {
+                    self.reader.read_file_at(p, at)?;
+                    Ok(at + p.len() as u64)
+                })
+                .map(|_| ()),
         };
         match &self.io_pool {
             Some(io_pool) if jobs > 1 => io_pool.in_place_scope(|scope| {
                 let record = &record;
-                for (offset, buf) in base_io.iter_mut() {
-                    let (offset, buf) = (*offset, &mut **buf);
-                    scope.spawn(move |_| record(read_base(offset, buf)));
+                let (read_base, read_cow) = (&read_base, &read_cow);
+                for (offset, parts) in base_io.iter_mut() {
+                    let offset = *offset;
+                    scope.spawn(move |_| record(read_base(offset, parts)));
                 }
-                for (offset, buf) in cow_io.iter_mut() {
-                    let (offset, buf) = (*offset, &mut **buf);
-                    scope.spawn(move |_| record(read_cow(offset, buf)));
+                for (offset, parts) in cow_io.iter_mut() {
+                    let offset = *offset;
+                    scope.spawn(move |_| record(read_cow(offset, parts)));
                 }
             }),
             _ => {
-                for (offset, buf) in base_io.iter_mut() {
-                    record(read_base(*offset, buf));
+                for (offset, parts) in base_io.iter_mut() {
+                    record(read_base(*offset, parts));
                 }
-                for (offset, buf) in cow_io.iter_mut() {
-                    record(read_cow(*offset, buf));
+                for (offset, parts) in cow_io.iter_mut() {
+                    record(read_cow(*offset, parts));
                 }
             }
         }
@@ -350,29 +454,26 @@ impl CowEngine {
         }
     }
 
-    /// Applies the XOR payloads and decodes the REPLACE units whose stored bytes are in
-    /// `bufs`. Two or more REPLACE units decode on the decode pool, XOR blocks inline.
-    fn decode_from_runs(
+    /// Applies the XOR payloads and decodes the REPLACE units whose stored bytes are
+    /// `stored` (item, bytes). An XOR block is its base source (`base_src`, or the bytes
+    /// already in place) XOR the decoded payload, written in one pass. Two or more REPLACE
+    /// units decode on the decode pool, XOR blocks inline.
+    fn decode_from_runs<'s>(
         &self,
-        runs: &[Run],
-        wants: &[Want],
-        bufs: &[AlignedBuf],
+        stored: impl Iterator<Item = (usize, &'s [u8])>,
+        base_src: &[Option<&[u8]>],
         targets: &mut [(Seg, &mut [u8])],
     ) -> Result<()> {
         let ops = self.reader.ops();
         // Stored bytes of each item, indexed by item.
-        let mut stored: Vec<Option<&[u8]>> = vec![None; targets.len()];
+        let mut raw_of: Vec<Option<&[u8]>> = vec![None; targets.len()];
         let mut replaces = 0usize;
-        for (run, buf) in runs.iter().zip(bufs) {
-            let data = buf.as_slice();
-            for w in &wants[run.wants.clone()] {
-                let from = (w.start - run.start) as usize;
-                stored[w.item] = Some(&data[from..from + (w.end - w.start) as usize]);
-                replaces += usize::from(matches!(targets[w.item].0, Seg::Replace { .. }));
-            }
+        for (item, raw) in stored {
+            raw_of[item] = Some(raw);
+            replaces += usize::from(matches!(targets[item].0, Seg::Replace { .. }));
         }
         let mut payload = [0u8; BLOCK_SIZE];
-        let mut decode = |seg: Seg, raw: &[u8], dst: &mut [u8]| -> Result<()> {
+        let mut decode = |seg: Seg, raw: &[u8], src: Option<&[u8]>, dst: &mut [u8]| -> Result<()> {
             match seg {
                 Seg::Xor {
                     op,
@@ -381,7 +482,11 @@ impl CowEngine {
                 } => {
                     self.reader
                         .decode_payload(&ops[op as usize], raw, &mut payload)?;
-                    xor_into(dst, &payload[block_offset..block_offset + len]);
+                    let p = &payload[block_offset..block_offset + len];
+                    match src {
+                        Some(src) => xor_to(dst, src, p),
+                        None => xor_into(dst, p),
+                    }
                 }
                 Seg::Replace { op, .. } => {
                     self.stats
@@ -394,7 +499,7 @@ impl CowEngine {
             Ok(())
         };
         match &self.pool {
-            Some(pool) if replaces >= 2 => {
+            Some(pool) if replaces >= 2 && self.decode_on_pool() => {
                 let first_error: Mutex<Option<EngineError>> = Mutex::new(None);
                 let record = |r: Result<()>| {
                     if let Err(e) = r {
@@ -404,7 +509,7 @@ impl CowEngine {
                 };
                 pool.in_place_scope(|scope| {
                     let record = &record;
-                    for ((seg, dst), raw) in targets.iter_mut().zip(&stored) {
+                    for (((seg, dst), raw), src) in targets.iter_mut().zip(&raw_of).zip(base_src) {
                         let Some(raw) = *raw else { continue };
                         if let Seg::Replace { op, .. } = *seg {
                             let dst: &mut [u8] = dst;
@@ -419,7 +524,7 @@ impl CowEngine {
                                 )
                             });
                         } else {
-                            record(decode(*seg, raw, dst));
+                            record(decode(*seg, raw, *src, dst));
                         }
                     }
                 });
@@ -429,9 +534,9 @@ impl CowEngine {
                 }
             }
             _ => {
-                for ((seg, dst), raw) in targets.iter_mut().zip(&stored) {
+                for (((seg, dst), raw), src) in targets.iter_mut().zip(&raw_of).zip(base_src) {
                     if let Some(raw) = *raw {
-                        decode(*seg, raw, dst)?;
+                        decode(*seg, raw, *src, dst)?;
                     }
                 }
                 Ok(())
@@ -439,16 +544,21 @@ impl CowEngine {
         }
     }
 
-    fn recycle(&self, base: Vec<Fetch<'_>>, cow: Vec<AlignedBuf>) {
-        for f in base {
-            if let Fetch::Bounce { buf, .. } = f {
-                self.bounce.give(buf);
-            }
-        }
-        for b in cow {
+    fn recycle(&self, base: Vec<AlignedBuf>, cow: Vec<AlignedBuf>) {
+        for b in base.into_iter().chain(cow) {
             self.bounce.give(b);
         }
     }
+}
+
+/// Fills `parts` in turn from `file` at `offset` with blocking reads.
+fn read_parts(file: &ImageFile, offset: u64, parts: &mut Parts<'_>) -> Result<()> {
+    let mut at = offset;
+    for p in parts.iter_mut() {
+        file.read_exact_at(p, at)?;
+        at += p.len() as u64;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
