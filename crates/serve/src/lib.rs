@@ -2,6 +2,7 @@
 //!
 //! * [`fuse`]: one read-only regular file (`DIR/disk.img`) through FUSE, with many
 //!   requests in flight, `FOPEN_DIRECT_IO` and 1 MiB requests;
+//! * [`fuse_uring`]: the same file served over FUSE-over-io_uring (per-CPU rings);
 //! * [`mount`]: the whole stack on top of it: loop device in direct-I/O mode + `mount -o
 //!   ro` for ext4, or a file-backed EROFS mount with no loop device; torn down in reverse;
 //! * [`nbd`]: an NBD server (fixed newstyle, read-only, many connections);
@@ -10,6 +11,7 @@
 //!   (unit-tested with a fake transport; the kernel side is untested here).
 
 pub mod fuse;
+pub mod fuse_uring;
 pub mod mount;
 pub mod nbd;
 pub mod ublk;

@@ -30,6 +30,11 @@ pub struct Args {
     /// Export the new image as DIR/disk.img through FUSE (with --mount: where to put it).
     #[arg(long, value_name = "DIR")]
     pub fuse: Option<PathBuf>,
+    /// Serve the FUSE export (--fuse or --mount) over FUSE-over-io_uring: per-CPU rings
+    /// instead of reads and writes of /dev/fuse. Needs Linux 6.14+ with
+    /// /sys/module/fuse/parameters/enable_uring set to Y.
+    #[arg(long)]
+    pub fuse_uring: bool,
     /// Mount the new image's file system read-only on TARGET (FUSE + loop for ext4,
     /// file-backed mount for EROFS).
     #[arg(long, value_name = "TARGET")]
@@ -52,10 +57,11 @@ pub struct Args {
     /// NBD export name (clients asking for the default export "" get it too).
     #[arg(long, default_value = "vabc")]
     pub export_name: String,
-    /// Request threads per frontend.
+    /// Requests served at once per frontend (FUSE: threads that each read a
+    /// request from /dev/fuse, or from their ring, and answer it; NBD: workers).
     #[arg(long, default_value_t = 16)]
     pub workers: usize,
-    /// Threads reading /dev/fuse.
+    /// FUSE threads reading /dev/fuse; only matters above --workers.
     #[arg(long, default_value_t = 1)]
     pub fuse_threads: usize,
     /// Decompression threads (0: one per CPU).
@@ -126,6 +132,12 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             t.display()
         );
     }
+    if args.fuse_uring {
+        if args.fuse.is_none() && args.mount.is_none() {
+            bail!("--fuse-uring needs --fuse DIR or --mount TARGET");
+        }
+        serve::fuse_uring::check_enabled()?;
+    }
     if let Err(e) = serve::set_io_flusher() {
         eprintln!("vabc serve: warning: PR_SET_IO_FLUSHER: {e} (needs CAP_SYS_RESOURCE)");
     }
@@ -158,6 +170,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         workers: args.workers,
         ..FuseOptions::default()
     };
+    let uring_opts = args
+        .fuse_uring
+        .then(|| serve::fuse_uring::UringOptions::with_workers(args.workers));
     let nbd = match &nbd_addr {
         Some(addr) => {
             let nbd_opts = NbdOptions {
@@ -193,11 +208,13 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     };
     let mut stack = None;
     let mut fuse = None;
+    let mut fuse_uring = None;
     if let Some(target) = &args.mount {
         let mopts = MountOptions {
             fstype: args.fstype,
             fuse_dir: args.fuse.clone(),
             fuse: fuse_opts,
+            fuse_uring: uring_opts,
         };
         let s = MountStack::mount(dev.clone(), target, &mopts)?;
         let via = match s.loop_device() {
@@ -214,6 +231,14 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             s.target().display()
         );
         stack = Some(s);
+    } else if let (Some(dir), Some(uopts)) = (&args.fuse, &uring_opts) {
+        let f = serve::fuse_uring::FuseUringExport::mount(dev.clone(), dir, uopts)?;
+        let (queues, threads) = f.queues();
+        println!(
+            "vabc serve: exporting {} ({size} bytes) over FUSE io_uring ({queues} queues, {threads} threads)",
+            f.file_path().display()
+        );
+        fuse_uring = Some(f);
     } else if let Some(dir) = &args.fuse {
         let f = FuseExport::mount(dev.clone(), dir, &fuse_opts)?;
         println!(
@@ -247,6 +272,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         }
         let alive = stack.as_ref().is_none_or(MountStack::is_alive)
             && fuse.as_ref().is_none_or(FuseExport::is_alive)
+            && fuse_uring
+                .as_ref()
+                .is_none_or(serve::fuse_uring::FuseUringExport::is_alive)
             && ublk.as_ref().is_none_or(serve::ublk::UblkDevice::is_alive);
         if !alive {
             lost_ublk = ublk.as_ref().is_some_and(|u| !u.is_alive());
@@ -273,6 +301,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     }
     if let Some(f) = fuse {
         let r = f.unmount().context("unmount the FUSE export");
+        result = result.and(r);
+    }
+    if let Some(f) = fuse_uring {
+        let r = f.unmount().context("unmount the FUSE io_uring export");
         result = result.and(r);
     }
     if let Some(u) = ublk {
