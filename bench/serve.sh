@@ -3,6 +3,8 @@
 # the same run (notes/serving.md explains the stacks):
 #   loop-raw  a loop device (direct I/O) on the raw new.img: the limit of this machine
 #   vabc      vabc serve --fuse (base + COW) + loop device (direct I/O)
+#   vabc-uring  the same over FUSE-over-io_uring (--fuse-uring; turns the kernel switch
+#             /sys/module/fuse/parameters/enable_uring on for the run)
 #   qsd       qemu-storage-daemon's FUSE export of the raw new.img + loop (direct I/O):
 #             a peer that serves a plain file, so an upper bound for a FUSE daemon
 # Data: the corpus pair `system` (ext4), COW made with `vabc diff` (v3, lz4, 64 KiB).
@@ -19,7 +21,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PAIR=${1:-system}
 RUNTIME=${RUNTIME:-8}
-CONFIGS=${CONFIGS:-loop-raw vabc qsd}
+CONFIGS=${CONFIGS:-loop-raw vabc vabc-uring qsd}
 JOBS=${JOBS:-seq1 seq8 rnd1 rnd32 cache}
 SEQ_SIZE=${SEQ_SIZE:-512M}
 CORPUS=${CORPUS:-${TMPDIR:-/tmp}/corpus}
@@ -123,6 +125,7 @@ fi
 # (b) vabc: FUSE export of base + COW, loop on top
 if want vabc; then
 mkdir -p "$WORK/fuse"
+: >"$WORK/serve.log" # truncate now: the background job may start after the grep below
 "$VABC" serve --base "$OLD" --cow "$COW" --size "$SIZE" --fuse "$WORK/fuse" >"$WORK/serve.log" 2>&1 &
 DAEMON=$!
 for _ in $(seq 100); do grep -q ready "$WORK/serve.log" && break; sleep 0.1; done
@@ -131,6 +134,22 @@ MNT=$WORK/fuse
 LOOP=$(losetup --find --show --read-only --direct-io=on "$WORK/fuse/disk.img")
 measure vabc "$LOOP" "$WORK/fuse/disk.img" "$OLD" "$COW"
 cleanup
+fi
+
+# (b2) vabc over FUSE-over-io_uring
+if want vabc-uring; then
+echo Y >/sys/module/fuse/parameters/enable_uring
+mkdir -p "$WORK/fuse"
+: >"$WORK/serve-uring.log"
+"$VABC" serve --base "$OLD" --cow "$COW" --size "$SIZE" --fuse "$WORK/fuse" --fuse-uring >"$WORK/serve-uring.log" 2>&1 &
+DAEMON=$!
+for _ in $(seq 100); do grep -q ready "$WORK/serve-uring.log" && break; sleep 0.1; done
+grep -q ready "$WORK/serve-uring.log" || { cat "$WORK/serve-uring.log"; exit 1; }
+MNT=$WORK/fuse
+LOOP=$(losetup --find --show --read-only --direct-io=on "$WORK/fuse/disk.img")
+measure vabc-uring "$LOOP" "$WORK/fuse/disk.img" "$OLD" "$COW"
+cleanup
+grep -h "via the rings" "$WORK/serve-uring.log" || true
 fi
 
 # (c) qemu-storage-daemon FUSE export of the raw new image, loop on top
@@ -154,12 +173,16 @@ echo "pair $PAIR: new.ext4.img $((SIZE / 1048576)) MiB, COW $(($(stat -c %s "$CO
 echo
 echo "| config | seq 1M QD1 MiB/s | seq 1M QD8 MiB/s | rand 4K QD1 IOPS | rand 4K QD32 IOPS | page-cache copies after one full read (MiB per layer) |"
 echo "|---|---|---|---|---|---|"
-for c in loop-raw vabc qsd; do
+for c in loop-raw vabc vabc-uring qsd; do
 	want "$c" || R[$c.seq1]=- R[$c.seq8]=- R[$c.rnd1]=- R[$c.rnd32]=- R[$c.copies]=- R[$c.cache]=""
 	echo "| $c | ${R[$c.seq1]} | ${R[$c.seq8]} | ${R[$c.rnd1]} | ${R[$c.rnd32]} | ${R[$c.copies]} (${R[$c.cache]% }) |"
 done
 echo
 echo "vabc / loop-raw, seq 1M QD1: $(ratio "${R[vabc.seq1]}" "${R[loop-raw.seq1]}")  QD8: $(ratio "${R[vabc.seq8]}" "${R[loop-raw.seq8]}")   (target >= 0.8)"
 echo "vabc / qsd, rand 4K QD32: $(ratio "${R[vabc.rnd32]}" "${R[qsd.rnd32]}")   QD1: $(ratio "${R[vabc.rnd1]}" "${R[qsd.rnd1]}")   (target >= 1.5)"
+if want vabc-uring; then
+	echo "vabc-uring / loop-raw, seq 1M QD1: $(ratio "${R[vabc-uring.seq1]}" "${R[loop-raw.seq1]}")  QD8: $(ratio "${R[vabc-uring.seq8]}" "${R[loop-raw.seq8]}")   (target >= 0.8)"
+	echo "vabc-uring / qsd, rand 4K QD32: $(ratio "${R[vabc-uring.rnd32]}" "${R[qsd.rnd32]}")   QD1: $(ratio "${R[vabc-uring.rnd1]}" "${R[qsd.rnd1]}")   (target >= 1.5)"
+fi
 echo
 echo "reproduce: sudo CODEC=$CODEC RUNTIME=$RUNTIME SEQ_SIZE=$SEQ_SIZE CONFIGS=\"$CONFIGS\" JOBS=\"$JOBS\" bench/serve.sh $PAIR"
