@@ -149,7 +149,21 @@ impl UringIo {
     }
 
     fn entry(&self, s: &Sqe) -> squeue::Entry {
-        let fd = types::Fd(self.direct_fd(s).unwrap_or(s.fd));
+        let direct = self.direct_fd(s);
+        let e = self.entry_for(s, direct);
+        if s.write && direct.is_none() {
+            // A buffered write goes straight to io_uring's workers, as
+            // AOSP's merge submits its writes (IOSQE_ASYNC): on this kernel
+            // an inline attempt that has to be retried was seen to never
+            // complete, once in a few hundred merges.
+            e.flags(squeue::Flags::ASYNC)
+        } else {
+            e
+        }
+    }
+
+    fn entry_for(&self, s: &Sqe, direct: Option<i32>) -> squeue::Entry {
+        let fd = types::Fd(direct.unwrap_or(s.fd));
         let flags = if s.dsync { libc::RWF_DSYNC } else { 0 };
         let len = s.len as u32;
         let fixed = self
