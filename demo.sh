@@ -11,7 +11,7 @@ cd "$(dirname "$0")"
 ROOT=$(pwd)
 scripts/install-deps.sh
 cargo build --release -q -p vabc
-VABC=$ROOT/target/release/vabc
+VABC=${CARGO_TARGET_DIR:-$ROOT/target}/release/vabc
 WORK=${DEMO_DIR:-${TMPDIR:-/tmp}/vabc-demo}
 CORPUS=${VABC_CORPUS:-${TMPDIR:-/tmp}/corpus}
 mkdir -p "$WORK"
