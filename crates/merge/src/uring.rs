@@ -49,9 +49,6 @@ fn reopen_direct(file: &File) -> io::Result<Option<File>> {
 /// caller's run lengths).
 const MAX_IO: usize = 1 << 20;
 
-/// Largest write batch made durable with RWF_DSYNC instead of a flush.
-const DSYNC_MAX: usize = 4;
-
 /// How long a ring may make no progress before it counts as stalled.
 const STALL: std::time::Duration = std::time::Duration::from_secs(60);
 
@@ -86,9 +83,6 @@ struct Sqe {
     ptr: *mut u8,
     len: usize,
     write: bool,
-    /// Write with RWF_DSYNC: durable when it completes (a FUA write on a
-    /// device that has it), instead of a separate flush afterwards.
-    dsync: bool,
 }
 
 impl UringIo {
@@ -164,7 +158,6 @@ impl UringIo {
 
     fn entry_for(&self, s: &Sqe, direct: Option<i32>) -> squeue::Entry {
         let fd = types::Fd(direct.unwrap_or(s.fd));
-        let flags = if s.dsync { libc::RWF_DSYNC } else { 0 };
         let len = s.len as u32;
         let fixed = self
             .fixed
@@ -178,13 +171,9 @@ impl UringIo {
             (false, true) => opcode::ReadFixed::new(fd, s.ptr, len, 0)
                 .offset(s.off)
                 .build(),
-            (true, false) => opcode::Write::new(fd, s.ptr, len)
-                .offset(s.off)
-                .rw_flags(flags)
-                .build(),
+            (true, false) => opcode::Write::new(fd, s.ptr, len).offset(s.off).build(),
             (true, true) => opcode::WriteFixed::new(fd, s.ptr, len, 0)
                 .offset(s.off)
-                .rw_flags(flags)
                 .build(),
         }
     }
@@ -319,11 +308,6 @@ impl UringIo {
         let buf = unsafe { std::slice::from_raw_parts_mut(s.ptr, s.len) };
         if s.write {
             file.write_all_at(buf, s.off)?;
-            if s.dsync {
-                // The rest went through the page cache: keep the promise.
-                file.sync_data()?;
-                self.stats.syscalls += 1;
-            }
         } else {
             file.read_exact_at(buf, s.off)?;
         }
@@ -378,7 +362,6 @@ impl UringIo {
                 ptr: ptr.wrapping_add(at),
                 len: n,
                 write,
-                dsync: false,
             });
             at += n;
         }
@@ -400,32 +383,14 @@ impl UringIo {
             );
         }
         self.count(&sqes);
-        // A short batch that goes entirely through O_DIRECT (the protocol's
-        // header-page writes: state byte, commit) is made durable by its own
-        // writes (RWF_DSYNC: POSIX O_DSYNC semantics per write) instead of
-        // write, wait, flush, wait: one device round trip less per sync
-        // point. Long batches keep one flush for all of them.
-        let dsync =
-            sync && sqes.len() <= DSYNC_MAX && sqes.iter().all(|s| self.direct_fd(s).is_some());
-        if dsync {
-            for s in &mut sqes {
-                s.dsync = true;
-            }
-        }
         // The writes of one batch never overlap (the merge writes each
         // destination and scratch range once per batch), so they need no
         // ordering among themselves; the sync follows once they completed.
         let t = Instant::now();
         let r = self.run(&sqes);
-        if dsync {
-            // Counted as a sync point, and timed as one.
-            self.stats.fsyncs += 1;
-            self.stats.sync_wait += t.elapsed();
-        } else {
-            self.stats.write_wait += t.elapsed();
-        }
+        self.stats.write_wait += t.elapsed();
         r?;
-        if sync && !dsync {
+        if sync {
             self.fsync(fd)?;
         }
         Ok(())
