@@ -218,3 +218,17 @@ impl AlignedBuf {
         &self.raw[self.start..self.start + self.len]
     }
 }
+
+/// The aligned region of the length last asked for.
+impl std::ops::Deref for AlignedBuf {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        self.as_slice()
+    }
+}
+
+impl std::ops::DerefMut for AlignedBuf {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        &mut self.raw[self.start..self.start + self.len]
+    }
+}

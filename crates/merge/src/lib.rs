@@ -10,7 +10,6 @@
 //! - [`status`]: merge progress shared with readers serving the image.
 //! - [`view`]: a reader of the new image that is correct during a merge.
 
-pub mod buf;
 pub mod error;
 pub mod io;
 pub mod merger;
@@ -19,7 +18,6 @@ pub mod status;
 pub mod uring;
 pub mod view;
 
-pub use buf::AlignedBuf;
 pub use error::{MergeError, Result};
 pub use io::{Dev, IoStats, MergeIo, SyncIo};
 pub use merger::{Merge, MergeOptions, MergeReport};

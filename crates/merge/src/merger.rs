@@ -28,10 +28,10 @@ use cow::format::{BLOCK_SIZE, BLOCK_SIZE_U64};
 use cow::view::xor_into;
 use cow::{CowReader, Op, OpKind};
 
-use crate::buf::AlignedBuf;
 use crate::error::{MergeError, Result};
 use crate::io::{Dev, IoStats, MergeIo};
 use crate::status::MergeStatus;
+use engine::{AlignedBuf, DIRECT_ALIGN};
 
 mod prepare;
 use prepare::{Job, Prepared};
@@ -179,7 +179,7 @@ impl<'a> Merge<'a> {
             // Whole pages, so that an O_DIRECT engine can write them; never
             // past the end of the file, which must not grow.
             mirror_len: (header_size + buffer)
-                .next_multiple_of(crate::buf::ALIGN)
+                .next_multiple_of(DIRECT_ALIGN)
                 .min(usize::try_from(cow.file_size()).unwrap_or(usize::MAX))
                 .max(header_size + 1),
             meta_off: header_size as u64 + 1,
@@ -237,7 +237,7 @@ impl<'a> Merge<'a> {
         // protocol's COW writes are whole pages of it (the bytes around
         // what changes are rewritten with what the file already holds), so
         // they can bypass the page cache.
-        let mut head = AlignedBuf::zeroed(self.mirror_len);
+        let mut head = AlignedBuf::new(self.mirror_len);
         io.read_many(Dev::Cow, &mut [(0, &mut head[..])])
             .map_err(|e| self.cow_io("read header and scratch area", 0, e))?;
         let (mut pos, state) = self.parse_progress(&head);
@@ -264,7 +264,7 @@ impl<'a> Merge<'a> {
         // written (see `start_sources`). XOR payloads are decoded by a
         // worker thread (see `prepare`).
         let cap = self.window_cap.max(1) * BLOCK_SIZE;
-        let mut arena = AlignedBuf::zeroed(4 * cap);
+        let mut arena = AlignedBuf::new(4 * cap);
         if self.window_cap > 0 {
             io.register(&mut arena)
                 .map_err(|e| self.cow_io("register buffer", 0, e))?;
@@ -548,7 +548,7 @@ impl<'a> Merge<'a> {
         let data = self.data_off as usize;
         head[data..data + n * BLOCK_SIZE].copy_from_slice(&buf[..n * BLOCK_SIZE]);
         let end = (data + n * BLOCK_SIZE)
-            .next_multiple_of(crate::buf::ALIGN)
+            .next_multiple_of(DIRECT_ALIGN)
             .min(head.len());
         io.write_and_sync(Dev::Cow, &[(0, &head[..end])])
             .map_err(|e| self.cow_io("write scratch", self.meta_off, e))?;
@@ -560,7 +560,7 @@ impl<'a> Merge<'a> {
 
     /// The first page of the mirrored COW start (or all of it, if shorter).
     fn header_page<'h>(&self, head: &'h [u8]) -> &'h [u8] {
-        &head[..head.len().min(crate::buf::ALIGN)]
+        &head[..head.len().min(DIRECT_ALIGN)]
     }
 
     /// Bring a shared status up to what the device holds, before serving

@@ -19,8 +19,8 @@ use std::time::Instant;
 
 use io_uring::{IoUring, opcode, squeue, types};
 
-use crate::buf::ALIGN;
 use crate::io::{Dev, IoStats, MergeIo};
+use engine::DIRECT_ALIGN as ALIGN;
 
 /// A second descriptor of `file`'s inode, opened `O_DIRECT` with the same
 /// access mode; `None` where the filesystem does not support it.

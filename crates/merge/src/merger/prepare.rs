@@ -12,8 +12,8 @@ use cow::format::BLOCK_SIZE;
 use cow::{Op, OpKind};
 
 use super::Merge;
-use crate::buf::AlignedBuf;
 use crate::error::{MergeError, Result};
+use engine::AlignedBuf;
 
 /// Work for the decoder, in the order the merge needs it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -53,7 +53,7 @@ impl Merge<'_> {
                     .filter(|o| o.kind == OpKind::Xor)
                     .collect();
                 let (stored, at, reads) = self.read_payloads(&xors)?;
-                let mut data = AlignedBuf::zeroed(xors.len() * BLOCK_SIZE);
+                let mut data = AlignedBuf::new(xors.len() * BLOCK_SIZE);
                 for (k, op) in xors.iter().enumerate() {
                     let s = &stored[at[k]..at[k] + op.data_length as usize];
                     self.cow.decode_payload(
@@ -73,7 +73,7 @@ impl Merge<'_> {
                 let ops = &self.order[pos..end];
                 let replaces: Vec<&Op> = ops.iter().filter(|o| o.kind == OpKind::Replace).collect();
                 let (stored, stored_at, reads) = self.read_payloads(&replaces)?;
-                let mut data = AlignedBuf::zeroed(bytes);
+                let mut data = AlignedBuf::new(bytes);
                 let (mut k, mut at) = (0, 0);
                 for op in ops {
                     let len = op.unit_size();
