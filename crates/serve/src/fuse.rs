@@ -24,8 +24,8 @@ use fuser::{
     ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, Request, SessionACL,
 };
 
-use crate::mount::is_mount_point;
-use crate::{Result, ServeError, io_err};
+use crate::mount::free_mount_dir;
+use crate::{Result, io_err};
 
 /// Largest request the kernel sends with the default `fs.fuse.max_pages_limit`.
 pub const MAX_REQUEST: usize = 1 << 20;
@@ -279,17 +279,7 @@ impl FuseExport {
     /// Mounts the export on `dir`, which must be an existing directory and not already a
     /// mount point. Returns once the kernel has completed the FUSE handshake.
     pub fn mount(dev: Arc<dyn BlockDevice>, dir: &Path, opts: &FuseOptions) -> Result<FuseExport> {
-        let meta = std::fs::metadata(dir).map_err(io_err("mount point", dir))?;
-        if !meta.is_dir() {
-            return Err(ServeError::Invalid {
-                path: dir.to_path_buf(),
-                msg: "FUSE mount point is not a directory".into(),
-            });
-        }
-        let dir = dir.canonicalize().map_err(io_err("resolve", dir))?;
-        if is_mount_point(&dir)? {
-            return Err(ServeError::Busy { path: dir });
-        }
+        let dir = free_mount_dir(dir)?;
         let readahead = match &opts.readahead {
             Some(ra) => Some(Arc::new(
                 Readahead::new(dev.clone(), ra.clone())

@@ -68,6 +68,23 @@ pub fn detect_fstype(dev: &dyn BlockDevice) -> engine::Result<Option<FsType>> {
     })
 }
 
+/// `dir`, canonical, if it is an existing directory that nothing is mounted on yet: where
+/// a FUSE export may be mounted.
+pub(crate) fn free_mount_dir(dir: &Path) -> Result<PathBuf> {
+    let meta = std::fs::metadata(dir).map_err(io_err("mount point", dir))?;
+    if !meta.is_dir() {
+        return Err(ServeError::Invalid {
+            path: dir.to_path_buf(),
+            msg: "FUSE mount point is not a directory".into(),
+        });
+    }
+    let dir = dir.canonicalize().map_err(io_err("resolve", dir))?;
+    if is_mount_point(&dir)? {
+        return Err(ServeError::Busy { path: dir });
+    }
+    Ok(dir)
+}
+
 /// Whether `path` (canonical) is the mount point of some mount in this namespace.
 pub fn is_mount_point(path: &Path) -> Result<bool> {
     let info = std::fs::read_to_string("/proc/self/mountinfo")

@@ -37,7 +37,7 @@ use engine::{AlignedBuf, BlockDevice, Readahead, ReadaheadOptions};
 use self::fs::{DiskFs, Outcome};
 use self::ring::{Counters, QueueThread};
 use crate::fuse::MAX_REQUEST;
-use crate::mount::is_mount_point;
+use crate::mount::free_mount_dir;
 use crate::{Result, ServeError, io_err};
 
 /// Where the kernel's switch lives.
@@ -182,17 +182,7 @@ impl FuseUringExport {
         opts: &UringOptions,
     ) -> Result<FuseUringExport> {
         check_enabled()?;
-        let meta = std::fs::metadata(dir).map_err(io_err("mount point", dir))?;
-        if !meta.is_dir() {
-            return Err(ServeError::Invalid {
-                path: dir.to_path_buf(),
-                msg: "FUSE mount point is not a directory".into(),
-            });
-        }
-        let dir = dir.canonicalize().map_err(io_err("resolve", dir))?;
-        if is_mount_point(&dir)? {
-            return Err(ServeError::Busy { path: dir });
-        }
+        let dir = free_mount_dir(dir)?;
         let queue_count = possible_cpus()?;
         let dev: Arc<dyn BlockDevice> = match &opts.readahead {
             Some(ra) => Arc::new(
