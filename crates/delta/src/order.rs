@@ -5,16 +5,25 @@
 //! next block when the offset is not 4 KiB-aligned — must not be the
 //! destination of any earlier op; REPLACE and ZERO come after every ordered
 //! op. So op A (reading block b) must merge before op B (writing b): an edge
-//! A → B. The order is Kahn's topological sort with the free ops taken by
-//! ascending destination (what AOSP's generator does, and what lets the merge
-//! coalesce writes). A cycle is broken by turning one of its ops into a
+//! A → B. The order is Kahn's topological sort with the free ops taken in
+//! sweeps of ascending destination: the next op is the free one with the
+//! lowest destination above the last op's, wrapping around to the lowest
+//! when none is left above. Taking the globally lowest free op (AOSP's
+//! generator) interleaves every block chain in the image, so each 510-op
+//! merge window writes ~100 scattered runs and some op in it overwrites
+//! another's source, which forces the merge's scratch copy for every
+//! window. A sweep instead keeps moved regions together: on the `system`
+//! ext4 pair, 119 352 ordered ops, the merge windows went from 23 635 to
+//! ~15 800 destination runs, and ~87 000 ops now fall in windows with no
+//! overlap inside, which the merge writes without the scratch copy (see
+//! the `merge` crate). A cycle is broken by turning one of its ops into a
 //! REPLACE, which merges last and so constrains nothing: the op chosen
 //! has the most remaining edges (XOR preferred, as its REPLACE costs least
 //! extra, then the lowest destination), found by walking predecessors
 //! from the lowest pending op until a node repeats.
 
 use std::cmp::Reverse;
-use std::collections::BinaryHeap;
+use std::collections::BTreeSet;
 
 use crate::BLOCK_SIZE;
 use crate::plan::{BlockOp, PlannedOp};
@@ -99,10 +108,12 @@ pub fn order_merge(ops: &mut [PlannedOp]) -> MergeOrder {
         Removed,
     }
     let mut state = vec![State::Pending; n];
-    let mut heap: BinaryHeap<Reverse<u32>> = (0..n)
+    // Free nodes (node order is destination order) and the last one taken.
+    let mut free: BTreeSet<u32> = (0..n)
         .filter(|&i| indeg[i] == 0)
-        .map(|i| Reverse(i as u32))
+        .map(|i| i as u32)
         .collect();
+    let mut last: Option<u32> = None;
     let mut sequence = Vec::with_capacity(n);
     let mut converted = 0u64;
     let mut done = 0usize;
@@ -111,26 +122,31 @@ pub fn order_merge(ops: &mut [PlannedOp]) -> MergeOrder {
     let mut walk_id = 0u32;
     let mut path: Vec<u32> = Vec::new();
 
-    let release =
-        |a: usize, indeg: &mut [u32], heap: &mut BinaryHeap<Reverse<u32>>, state: &[State]| {
-            for &b in succ[a].iter().filter(|&&b| b != NONE) {
-                let b = b as usize;
-                if state[b] == State::Pending {
-                    indeg[b] -= 1;
-                    if indeg[b] == 0 {
-                        heap.push(Reverse(b as u32));
-                    }
+    let release = |a: usize, indeg: &mut [u32], free: &mut BTreeSet<u32>, state: &[State]| {
+        for &b in succ[a].iter().filter(|&&b| b != NONE) {
+            let b = b as usize;
+            if state[b] == State::Pending {
+                indeg[b] -= 1;
+                if indeg[b] == 0 {
+                    free.insert(b as u32);
                 }
             }
-        };
+        }
+    };
 
     while done < n {
-        if let Some(Reverse(a)) = heap.pop() {
+        let next = match last {
+            Some(l) => free.range(l + 1..).next().or_else(|| free.first()),
+            None => free.first(),
+        };
+        if let Some(&a) = next {
+            free.remove(&a);
+            last = Some(a);
             let a = a as usize;
             state[a] = State::Done;
             done += 1;
             sequence.push(dst(a));
-            release(a, &mut indeg, &mut heap, &state);
+            release(a, &mut indeg, &mut free, &state);
             continue;
         }
         // Stalled: every pending node has a pending predecessor, so walking
@@ -176,7 +192,7 @@ pub fn order_merge(ops: &mut [PlannedOp]) -> MergeOrder {
         state[victim] = State::Removed;
         done += 1;
         converted += 1;
-        release(victim, &mut indeg, &mut heap, &state);
+        release(victim, &mut indeg, &mut free, &state);
     }
     for (node, s) in state.iter().enumerate() {
         if *s == State::Removed {
