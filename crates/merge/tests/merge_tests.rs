@@ -122,6 +122,39 @@ fn engines_give_identical_bytes() {
     assert!(u.fsyncs * 4 < s.fsyncs, "sync {s:?} uring {u:?}");
 }
 
+/// Direct windows (the default) and AOSP's copy-every-window protocol end
+/// at the same image; only the scratch writes and syncs differ.
+#[test]
+fn direct_windows_match_always_scratch() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut out = Vec::new();
+    for direct in [true, false] {
+        let cow = dir.path().join(format!("{direct}.cow"));
+        let base = dir.path().join(format!("{direct}.img"));
+        let (old, new) = make_update(&cow, 512, 3, Codec::Zstd);
+        std::fs::write(&base, &old).unwrap();
+        let opts = MergeOptions {
+            window_ops: 16,
+            direct_windows: direct,
+            direct_min_ops: 8,
+            direct_max_ops: 40,
+            ..Default::default()
+        };
+        let rep = merge_files(&base, &cow, Engine::UringDirect, opts);
+        assert!(rep.complete());
+        assert!(
+            std::fs::read(&base).unwrap() == new,
+            "direct windows {direct}"
+        );
+        out.push(rep);
+    }
+    let (d, s) = (out[0], out[1]);
+    assert!(d.direct_windows > 0 && s.direct_windows == 0, "{d:?} {s:?}");
+    // The XOR region (64 ops, no overlap) is one 40-op and one 24-op window.
+    assert!(d.windows < s.windows, "{d:?} {s:?}");
+    assert!(d.io.fsyncs < s.io.fsyncs && d.io.bytes_written < s.io.bytes_written);
+}
+
 /// On a filesystem that supports O_DIRECT (the build directory's), the
 /// direct path is really taken, and the merge is exact through it: sources
 /// and destinations page-aligned, the COW written in whole pages.
@@ -176,9 +209,14 @@ fn crash_at_every_write_and_sync_then_resume() {
     };
     let r = CowReader::open(&cow_path).unwrap();
     let m = Merge::new(&r, old.len() as u64, PathBuf::from("base"), opts).unwrap();
-    let ordered = m.order().iter().filter(|o| o.kind.is_ordered()).count() as u64;
     let mut sim = SimDisk::new(old.clone(), cow_bytes.clone(), None);
-    m.run(&mut sim, &|_, _| {}).unwrap();
+    let rep = m.run(&mut sim, &|_, _| {}).unwrap();
+    // Both kinds of window: the shifted chains overlap inside every window,
+    // the XOR region never does.
+    assert!(
+        rep.direct_windows > 0 && rep.direct_windows < rep.windows,
+        "{rep:?}"
+    );
     assert!(
         sim.after_crash(Crash::PowerLoss).0 == new,
         "fault-free simulated merge"
@@ -191,21 +229,28 @@ fn crash_at_every_write_and_sync_then_resume() {
     // The COW is written in whole pages from offset 0: a scratch save spans
     // the scratch area, the state byte and the commit rewrite the header
     // page; the state byte is the one that directly follows a scratch save.
+    // Base writes of a window without a scratch save are a direct window's.
     let mut phases = std::collections::BTreeMap::new();
     let mut commits = 0u64;
     let mut last = "";
+    let mut saved = false;
     for &(is_sync, dev, off, len) in &trace {
         let phase = match (is_sync, dev, off) {
             (true, Dev::Cow, _) => "cow sync",
             (true, Dev::Base, _) => "base sync",
-            (false, Dev::Cow, 0) if len > 4096 => "scratch save",
+            (false, Dev::Cow, 0) if len > 4096 => {
+                saved = true;
+                "scratch save"
+            }
             (false, Dev::Cow, 0) if last == "scratch save" => "state byte",
             (false, Dev::Cow, 0) => {
                 commits += 1;
+                saved = false;
                 "header commit"
             }
             (false, Dev::Cow, o) => panic!("COW write at {o}, not a page of the header/scratch"),
-            (false, Dev::Base, _) if commits * 7 < ordered => "destination write",
+            (false, Dev::Base, _) if commits < rep.windows && saved => "destination write",
+            (false, Dev::Base, _) if commits < rep.windows => "direct window write",
             (false, Dev::Base, _) => "REPLACE/ZERO write",
         };
         if !is_sync {
@@ -217,6 +262,7 @@ fn crash_at_every_write_and_sync_then_resume() {
         "scratch save",
         "state byte",
         "destination write",
+        "direct window write",
         "header commit",
         "REPLACE/ZERO write",
         "base sync",
