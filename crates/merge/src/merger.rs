@@ -83,6 +83,12 @@ pub struct MergeOptions {
     /// bounds it (4 blocks of buffer per op); longer windows mean fewer
     /// syncs.
     pub direct_max_ops: usize,
+    /// REPLACE/ZERO batches (each at most `commit_ops` ops and 8 MiB)
+    /// decoded ahead by a worker that starts with the merge: their
+    /// decompression (~0.2 s for the 108 MB of the `system` pair's) then
+    /// runs while the ordered windows wait for the disk, instead of after.
+    /// Bounds the memory held: up to this many × 8 MiB.
+    pub replace_ahead: usize,
 }
 
 impl Default for MergeOptions {
@@ -95,6 +101,7 @@ impl Default for MergeOptions {
             direct_windows: true,
             direct_min_ops: 128,
             direct_max_ops: 1024,
+            replace_ahead: 16,
         }
     }
 }
@@ -348,6 +355,27 @@ impl<'a> Merge<'a> {
             let (job_tx, job_rx) = mpsc::channel::<Job>();
             let (done_tx, done_rx) = mpsc::channel::<Result<Prepared>>();
             scope.spawn(move || prepare::serve(self, job_rx, done_tx));
+            // The REPLACE/ZERO worker: batches from the first REPLACE/ZERO
+            // op not merged yet, in order. It stops when the receiver is
+            // dropped (this closure returns), so a run that ends early
+            // never leaves it blocked.
+            let (replace_tx, replace_rx) =
+                mpsc::sync_channel::<Result<(usize, usize, Prepared)>>(self.opts.replace_ahead);
+            let first_replace = (pos as usize).max(self.ordered);
+            if first_replace < total {
+                scope.spawn(move || {
+                    let mut at = first_replace;
+                    while at < total {
+                        let (end, _) = self.replace_batch(at);
+                        let r = self.prepare(Job::Replace { pos: at }).map(|p| (at, end, p));
+                        let failed = r.is_err();
+                        if replace_tx.send(r).is_err() || failed {
+                            break;
+                        }
+                        at = end;
+                    }
+                });
+            }
             // Jobs sent and not answered yet, in order.
             let mut queued: VecDeque<Job> = VecDeque::new();
             let send = |job: Job, queued: &mut VecDeque<Job>| {
@@ -448,18 +476,29 @@ impl<'a> Merge<'a> {
                 commits += 1;
                 progress(pos, total as u64);
             }
-            // REPLACE/ZERO: batch N+1 is read and decoded while batch N is
-            // written and synced.
+            // REPLACE/ZERO, in the batches the worker decoded ahead.
             while (pos as usize) < total && !out_of_budget(commits) {
-                let at = pos as usize;
-                if !queued.contains(&Job::Replace { pos: at }) {
-                    send(Job::Replace { pos: at }, &mut queued);
+                let t = Instant::now();
+                let (at, end, batch) = replace_rx.recv().map_err(|_| {
+                    self.cow_io(
+                        "decode payloads",
+                        0,
+                        std::io::Error::other("the REPLACE decoder stopped"),
+                    )
+                })??;
+                decoder.read_wait += t.elapsed();
+                decoder.syscalls += batch.reads;
+                decoder.reads += batch.reads;
+                decoder.bytes_read += batch.bytes;
+                if at != pos as usize {
+                    return Err(self.cow_io(
+                        "decode payloads",
+                        0,
+                        std::io::Error::other(format!(
+                            "REPLACE batch at op {at} decoded for op {pos}"
+                        )),
+                    ));
                 }
-                let (end, _) = self.replace_batch(at);
-                if end < total && !out_of_budget(commits + 1) {
-                    send(Job::Replace { pos: end }, &mut queued);
-                }
-                let batch = take(Job::Replace { pos: at }, &mut queued, &mut decoder)?;
                 self.write_replace_batch(io, at, end, &batch.data)?;
                 pos = end as u64;
                 self.commit(io, &mut head, pos)?;

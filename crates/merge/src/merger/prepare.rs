@@ -1,8 +1,8 @@
 //! The merge's CPU work that does not depend on the base: reading the
-//! COW's stored payloads and decompressing them. It runs on a worker thread
-//! one step ahead of the I/O thread, so that decoding window N+1's XOR
-//! payloads (or REPLACE batch N+1) overlaps window N's writes and syncs,
-//! instead of sitting between them. Payloads are never written by a merge,
+//! COW's stored payloads and decompressing them, on worker threads ahead of
+//! the I/O thread: one decodes window N+1's XOR payloads while window N is
+//! written and synced; another decodes the REPLACE/ZERO batches from the
+//! start of the merge, so that they are ready when the ordered windows end. Payloads are never written by a merge,
 //! so reading them on another descriptor (the reader's) is safe at any
 //! point of the protocol.
 
