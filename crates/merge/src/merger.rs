@@ -21,7 +21,8 @@
 //! **Direct windows.** The scratch copy exists for windows where one op
 //! overwrites another op's source: replaying such a window from the base
 //! after a crash would read clobbered sources. A window in which no op
-//! writes a block any op of the window reads needs no copy — a crash in
+//! writes a block any op of the window reads (its own included: an XOR of a
+//! block changed in place, replayed, would XOR the new data) needs no copy — a crash in
 //! step 3 leaves every source of W (and, by the merge order, of every later
 //! op) intact, so re-reading them is exactly AOSP's restart rule for state
 //! 1 — and skips step 2 entirely: half the writes and half the syncs. Window
@@ -277,7 +278,8 @@ impl<'a> Merge<'a> {
     }
 
     /// The window starting at ordered op `pos`: its length, and whether it is
-    /// written directly (no op in it writes a block an op in it reads).
+    /// written directly (no op in it writes a block an op in it reads, its
+    /// own source included).
     fn window_at(&self, pos: usize) -> (usize, bool) {
         let left = self.ordered - pos;
         let cap = left.min(self.window_cap);
@@ -289,7 +291,14 @@ impl<'a> Merge<'a> {
         let mut sources = std::collections::HashSet::with_capacity(2 * longest);
         let mut n = 0;
         for op in &self.order[pos..pos + longest] {
-            if sources.contains(&op.new_block) || op.source_blocks().any(|b| dests.contains(&b)) {
+            // An op reading its own destination (an XOR of a block changed
+            // in place) counts too: replayed after its write, it would
+            // combine its payload with the new data instead of the old.
+            if sources.contains(&op.new_block)
+                || op
+                    .source_blocks()
+                    .any(|b| b == op.new_block || dests.contains(&b))
+            {
                 break;
             }
             dests.insert(op.new_block);

@@ -181,7 +181,7 @@ pub fn noise(seed: u64, len: usize) -> Vec<u8> {
 /// An old image and an update whose merge needs every mechanism: a region
 /// shifted down by one block (dst < src: ascending order), one shifted up
 /// (descending), COPYs that read blocks later overwritten, unaligned XORs,
-/// multi-block REPLACE and ZERO. Returns (old, new); writes the COW.
+/// XORs of blocks changed in place, multi-block REPLACE and ZERO. Returns (old, new); writes the COW.
 pub fn make_update(
     cow_path: &Path,
     blocks: usize,
@@ -224,6 +224,18 @@ pub fn make_update(
         xors.push((b as u64, src as u64, x));
         seq.push(b as u32);
     }
+    // XOR in place: new[b] = old[b] with small edits, b in [4q, 4q + q/4).
+    // Such an op reads its own destination, so replaying it after its write
+    // would be wrong: its window needs the scratch copy.
+    let mut in_place: Vec<(u64, Vec<u8>)> = Vec::new();
+    for b in 4 * q..4 * q + q / 4 {
+        let mut blk = old[b * BS..(b + 1) * BS].to_vec();
+        blk[(b * 13) % BS] ^= 0x77;
+        let x: Vec<u8> = blk.iter().zip(&old[b * BS..]).map(|(a, o)| a ^ o).collect();
+        new[b * BS..(b + 1) * BS].copy_from_slice(&blk);
+        in_place.push((b as u64, x));
+        seq.push(b as u32);
+    }
     // REPLACE [6q, 7q + q/2) with compressible data; ZERO the rest of 7q..8q.
     let rs = 6 * q;
     let re = 7 * q + q / 2;
@@ -252,6 +264,9 @@ pub fn make_update(
     w.add_label(1).expect("label");
     for (dst, src, x) in &xors {
         w.add_xor_blocks(*dst, x, *src, off as u16).expect("xor");
+    }
+    for (b, x) in &in_place {
+        w.add_xor_blocks(*b, x, *b, 0).expect("xor in place");
     }
     w.add_raw_blocks(rs as u64, &new[rs * BS..re * BS])
         .expect("replace");
