@@ -38,14 +38,11 @@ enum Step {
 }
 
 fn block_content(seed: u8, random: bool, n: u64) -> Vec<u8> {
-    let mut x = u32::from(seed).wrapping_mul(2654435761) | 1;
+    let mut rng = fastrand::Rng::with_seed(u64::from(seed));
     (0..n as usize * BS)
         .map(|i| {
             if random {
-                x ^= x << 13;
-                x ^= x >> 17;
-                x ^= x << 5;
-                x as u8
+                rng.u8(..)
             } else {
                 (((i / 61) as u32 * u32::from(seed)) % 7) as u8
             }
@@ -380,11 +377,7 @@ proptest! {
         let ops: Vec<(u64, u64, bool, u16)> = copies.into_iter().filter(|c| seen.insert(c.0)).collect();
         let mut seq: Vec<u32> = ops.iter().map(|o| o.0 as u32).collect();
         // A deterministic shuffle of the sequence.
-        let mut x = perm_seed | 1;
-        for i in (1..seq.len()).rev() {
-            x ^= x << 13; x ^= x >> 7; x ^= x << 17;
-            seq.swap(i, (x % (i as u64 + 1)) as usize);
-        }
+        fastrand::Rng::with_seed(perm_seed).shuffle(&mut seq);
         let path = dir.path().join("m.cow");
         let mut w = CowWriter::create(&path, opts(version, Codec::Lz4, 0, 16, 1)).unwrap();
         w.add_sequence(&seq).unwrap();

@@ -15,7 +15,7 @@ const BS: usize = BLOCK_SIZE;
 /// Deterministic filler: half random bytes, half repetitive text, so that
 /// both REPLACE and XOR have something to compress.
 fn content(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed | 1;
+    let mut rng = fastrand::Rng::with_seed(seed);
     let mut out = Vec::with_capacity(len);
     let words: [&[u8]; 6] = [
         b"system ",
@@ -26,9 +26,7 @@ fn content(seed: u64, len: usize) -> Vec<u8> {
         b"\n",
     ];
     while out.len() < len {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
+        let x = rng.u64(..);
         if (x >> 60) < 8 {
             out.extend_from_slice(&x.to_le_bytes());
         } else {

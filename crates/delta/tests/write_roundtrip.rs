@@ -14,12 +14,10 @@ use delta::{BLOCK_SIZE, MemImage, NoProgress, PlanOptions};
 const BS: usize = BLOCK_SIZE;
 
 fn content(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed | 1;
+    let mut rng = fastrand::Rng::with_seed(seed);
     let mut out = Vec::with_capacity(len);
     while out.len() < len {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
+        let x = rng.u64(..);
         if x.is_multiple_of(3) {
             out.extend_from_slice(&x.to_le_bytes());
         } else {

@@ -69,13 +69,10 @@ fn params(
 
 /// Deterministic positions spread over `len` bytes, plus both ends.
 fn positions(len: usize, count: usize, seed: u64) -> Vec<(usize, u8)> {
-    let mut x = seed | 1;
+    let mut rng = fastrand::Rng::with_seed(seed);
     let mut v = vec![(0, 0), (len - 1, 7)];
     for _ in 0..count {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        v.push(((x % len as u64) as usize, (x >> 32) as u8 % 8));
+        v.push((rng.usize(..len), rng.u8(..8)));
     }
     v
 }
