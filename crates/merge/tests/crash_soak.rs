@@ -146,12 +146,9 @@ impl<'a> SparseDev<'a> {
             Crash::PowerLoss => self.durable.clone(),
             Crash::Torn(seed) => {
                 let mut pages = self.durable.clone();
-                let mut x = seed | 1;
+                let mut rng = fastrand::Rng::with_seed(seed);
                 for (p, at, data) in &self.pending {
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
-                    if x % 2 == 0 {
+                    if rng.bool() {
                         Self::put(&self.lower, &mut pages, *p, *at, data);
                     }
                 }

@@ -356,14 +356,12 @@ fn concurrent_reads_during_merge() {
         for t in 0..4u64 {
             let (view, new, done, reads) = (&view, &new, &done, &reads);
             s.spawn(move || {
-                let mut x = t * 0x9e37_79b9 + 12345;
+                let mut rng = fastrand::Rng::with_seed(t);
                 let mut blk = vec![0u8; BS];
                 while !done.load(Ordering::Acquire) {
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
+                    let x = rng.u64(..);
                     // Mostly blocks with ordered ops (the interesting ones).
-                    let b = if x % 4 == 0 {
+                    let b = if x.is_multiple_of(4) {
                         x % blocks
                     } else {
                         blocks / 8 + x % (blocks * 5 / 8)
@@ -418,12 +416,10 @@ fn engine_reads_during_merge() {
         for t in 0..4u64 {
             let (eng, new, done, reads) = (&eng, &new, &done, &reads);
             s.spawn(move || {
-                let mut x = t * 7919 + 99;
+                let mut rng = fastrand::Rng::with_seed(t);
                 let mut buf = vec![0u8; 64 * 1024];
                 while !done.load(Ordering::Acquire) {
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
+                    let x = rng.u64(..);
                     let off = x % (size - 1);
                     let len = ((x >> 20) % (buf.len() as u64)).min(size - off).max(1) as usize;
                     eng.read_at(&mut buf[..len], off).unwrap();

@@ -100,12 +100,9 @@ impl SimDisk {
                 Crash::PowerLoss => d.durable.clone(),
                 Crash::Torn(seed) => {
                     let mut img = d.durable.clone();
-                    let mut x = seed | 1;
+                    let mut rng = fastrand::Rng::with_seed(seed);
                     for (off, data) in &d.pending {
-                        x ^= x << 13;
-                        x ^= x >> 7;
-                        x ^= x << 17;
-                        if x % 2 == 0 {
+                        if rng.bool() {
                             let o = *off as usize;
                             img[o..o + data.len()].copy_from_slice(data);
                         }
@@ -167,15 +164,9 @@ impl MergeIo for SimDisk {
 
 /// Deterministic pseudo-random bytes.
 pub fn noise(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect()
+    let mut v = vec![0u8; len];
+    fastrand::Rng::with_seed(seed).fill(&mut v);
+    v
 }
 
 /// An old image and an update whose merge needs every mechanism: a region
