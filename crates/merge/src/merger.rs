@@ -347,7 +347,9 @@ impl<'a> Merge<'a> {
         // area the next window's sources are read into while this one is
         // written (see `start_sources`). XOR payloads are decoded by a
         // worker thread (see `prepare`).
-        let cap = self.max_window.max(1) * BLOCK_SIZE;
+        // No window is longer than the ordered ops (a small update needs
+        // a small buffer, quick to allocate and pin).
+        let cap = self.max_window.min(self.ordered).max(1) * BLOCK_SIZE;
         let mut arena = AlignedBuf::new(4 * cap);
         // Registering only saves the kernel a page lookup per transfer; where
         // it is refused (an unprivileged user's RLIMIT_MEMLOCK), plain
