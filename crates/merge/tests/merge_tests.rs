@@ -205,6 +205,7 @@ fn crash_at_every_write_and_sync_then_resume() {
     let opts = MergeOptions {
         window_ops: 7,
         commit_ops: 5,
+        direct_max_ops: 7,
         ..Default::default()
     };
     let r = CowReader::open(&cow_path).unwrap();
