@@ -2,12 +2,19 @@
 //!
 //! Order of work: check the merge order with the format crate's validator
 //! (nothing is written for an unsafe plan); write into a temporary file in
-//! the output's directory — sequence, label 0, the ops in ascending block
-//! order with a label every [`LABEL_EVERY_BLOCKS`] blocks, the end-of-install
-//! label, finalize; reopen it with the reader and check that the ops and the
-//! merge order read back as planned; sync, rename over the output, sync the
-//! directory. Any error leaves no output behind (the temporary file is
-//! removed on drop).
+//! the output's directory — label 0, the ops with a label every
+//! [`LABEL_EVERY_BLOCKS`] blocks, the end-of-install label, finalize; reopen
+//! it with the reader and check that the ops and the merge order read back
+//! as planned; sync, rename over the output, sync the directory. Any error
+//! leaves no output behind (the temporary file is removed on drop).
+//!
+//! Where the merge order lives: a v3 COW gets its ops **in merge order**
+//! (COPY/XOR as sequenced, then REPLACE/ZERO ascending) and no sequence
+//! data, since a v3 reader merges a COW without sequence data in stream
+//! order (spec §2.8 rule 3, what AOSP's `create_snapshot` writes): 4 bytes
+//! less per ordered op (0.48 MB on the `system` pair). A v2 reader would
+//! sort the REPLACE/ZERO ops but otherwise does the same, yet v2 COWs keep
+//! the sequence data and ascending ops that update_engine writes.
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -20,8 +27,8 @@ use crate::image::BlockImage;
 use crate::plan::{BlockOp, Plan, PlannedOp};
 use crate::{BLOCK_SIZE, Progress};
 
-/// A resume label (update_engine's checkpoint) every this many NEW blocks
-/// (64 MiB): each costs a header rewrite and an fsync.
+/// A resume label (update_engine's checkpoint) every this many blocks
+/// written (64 MiB): each costs a header rewrite and an fsync.
 pub const LABEL_EVERY_BLOCKS: u64 = 16384;
 /// update_engine's `kEndOfInstallLabel`.
 pub const END_OF_INSTALL_LABEL: u64 = 1 << 48;
@@ -194,32 +201,52 @@ pub fn write_cow(
         ..WriterOptions::default()
     };
     let mut w = CowWriter::create(&tmp_path, wopts)?;
-    let seq: Vec<u32> = plan
-        .sequence
-        .iter()
-        .map(|&b| u32::try_from(b))
-        .collect::<Result<_, _>>()
-        .map_err(|_| DeltaError::TooLarge {
-            path: new.name().to_path_buf(),
-            blocks: plan.new_blocks(),
-        })?;
-    if !seq.is_empty() {
-        w.add_sequence(&seq)?;
-    }
+    let in_merge_order = opts.version >= 3;
+    // The ops in the order they are written.
+    let stream: Vec<PlannedOp> = if in_merge_order {
+        let find = |b: u64| plan.ops.binary_search_by_key(&b, |o| o.dst).ok();
+        plan.sequence
+            .iter()
+            .filter_map(|&b| find(b).map(|i| plan.ops[i]))
+            .chain(
+                plan.ops
+                    .iter()
+                    .filter(|p| matches!(p.op, BlockOp::Replace | BlockOp::Zero))
+                    .copied(),
+            )
+            .collect()
+    } else {
+        let seq: Vec<u32> = plan
+            .sequence
+            .iter()
+            .map(|&b| u32::try_from(b))
+            .collect::<Result<_, _>>()
+            .map_err(|_| DeltaError::TooLarge {
+                path: new.name().to_path_buf(),
+                blocks: plan.new_blocks(),
+            })?;
+        if !seq.is_empty() {
+            w.add_sequence(&seq)?;
+        }
+        plan.ops.clone()
+    };
     w.add_label(0)?;
 
     progress.start("writing", plan.ops.len() as u64);
     let bs = BLOCK_SIZE as u64;
     let mut data = Vec::new();
     let mut src = Vec::new();
+    // Labels count the blocks written so far: increasing in either order.
+    let mut written = 0u64;
     let mut next_label = LABEL_EVERY_BLOCKS;
-    for run in runs(&plan.ops) {
+    for run in runs(&stream) {
         let dst = run[0].dst;
-        if dst >= next_label {
-            w.add_label(dst)?;
-            next_label = (dst / LABEL_EVERY_BLOCKS + 1) * LABEL_EVERY_BLOCKS;
+        if written >= next_label {
+            w.add_label(written)?;
+            next_label = (written / LABEL_EVERY_BLOCKS + 1) * LABEL_EVERY_BLOCKS;
         }
         let n = run.len() as u64;
+        written += n;
         match run[0].op {
             BlockOp::Copy { src_block } => w.add_copy(dst, src_block, n)?,
             BlockOp::Zero => w.add_zero_blocks(dst, n)?,
