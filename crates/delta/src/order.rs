@@ -13,7 +13,7 @@
 //! merge window writes ~100 scattered runs and some op in it overwrites
 //! another's source, which forces the merge's scratch copy for every
 //! window. A sweep instead keeps moved regions together, and it passes
-//! over (up to [`HOLD_SCAN`] ops) an op whose lower neighbour still waits,
+//! over (up to `HOLD_SCAN` ops) an op whose lower neighbour still waits,
 //! so that runs are taken whole rather than block by block as they free
 //! up. On the `system` ext4 pair (119 352 ordered ops): the lowest-first
 //! order gave windows with 23 635 destination runs, none of them free of
