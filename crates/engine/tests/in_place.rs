@@ -14,13 +14,7 @@ const BS: usize = 4096;
 const BLOCKS: usize = 1024;
 
 fn fill(seed: u64, buf: &mut [u8]) {
-    let mut x = seed | 1;
-    for b in buf {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        *b = x as u8;
-    }
+    fastrand::Rng::with_seed(seed).fill(buf);
 }
 
 /// Writes base.img and update.cow into `dir`; returns the expected new image.
