@@ -32,6 +32,9 @@ use crate::io::ImageFile;
 use crate::{BLOCK_SIZE, BlockDevice, check_range};
 
 mod gather;
+mod plan;
+
+pub use plan::{PlannedRead, ReadInto, ReadPlan, ReadPlanner};
 
 const BS: u64 = BLOCK_SIZE as u64;
 /// Requests with at least this many separate base/XOR reads take the batched path
@@ -198,6 +201,9 @@ pub struct CowEngine {
     /// `O_DIRECT` like the base: large requests read its payloads once, so a page cache
     /// copy of them would only cost a memory copy per byte and the memory itself.
     cow_file: Option<ImageFile>,
+    /// The COW once more, buffered, for the payload reads of planned requests (`None`:
+    /// those segments take the synchronous path).
+    cow_buffered: Option<std::fs::File>,
     merge: Option<Arc<dyn MergeHook>>,
     verifier: Option<Arc<dyn BlockVerifier>>,
     stats: EngineStats,
@@ -340,6 +346,7 @@ impl CowEngine {
             io_pool,
             bounce: gather::BufPool::default(),
             cow_file: ImageFile::open(cow_path, opts.direct_io).ok(),
+            cow_buffered: std::fs::File::open(cow_path).ok(),
             merge: None,
             verifier: None,
             stats: EngineStats::default(),
@@ -864,6 +871,10 @@ fn xor_to(dst: &mut [u8], a: &[u8], b: &[u8]) {
 impl BlockDevice for CowEngine {
     fn size(&self) -> u64 {
         self.size
+    }
+
+    fn planner(&self) -> Option<&dyn ReadPlanner> {
+        Some(self)
     }
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {

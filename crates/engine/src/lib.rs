@@ -31,6 +31,7 @@ use std::sync::Arc;
 
 pub use cow_engine::{
     BlockVerifier, CowEngine, CowEngineOptions, EngineStats, MergeGuard, MergeHook, MergeRedirect,
+    PlannedRead, ReadInto, ReadPlan, ReadPlanner,
 };
 pub use error::{EngineError, Result};
 pub use io::{AlignedBuf, DIRECT_ALIGN, ImageFile};
@@ -70,6 +71,12 @@ pub trait BlockDevice: Send + Sync {
     fn is_read_only(&self) -> bool {
         true
     }
+
+    /// The device's read planner, for frontends that issue the file reads themselves
+    /// (see [`ReadPlanner`]); `None` when every read must go through `read_at`.
+    fn planner(&self) -> Option<&dyn ReadPlanner> {
+        None
+    }
 }
 
 impl<T: BlockDevice + ?Sized> BlockDevice for Arc<T> {
@@ -90,6 +97,9 @@ impl<T: BlockDevice + ?Sized> BlockDevice for Arc<T> {
     }
     fn is_read_only(&self) -> bool {
         (**self).is_read_only()
+    }
+    fn planner(&self) -> Option<&dyn ReadPlanner> {
+        (**self).planner()
     }
 }
 
