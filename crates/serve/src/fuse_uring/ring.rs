@@ -30,16 +30,18 @@ use super::proto::{self, UringCmdReq, UringEntInOut, UringReqHeader};
 pub(crate) struct Counters {
     pub(crate) ring: AtomicU64,
     pub(crate) dev: AtomicU64,
+    /// READs of the ring answered from a read plan (reads on the queue's own ring).
+    pub(crate) planned: AtomicU64,
 }
 
-struct Ent {
+pub(crate) struct Ent {
     /// Written by the kernel when it hands us a request, read by it on commit; we touch
     /// it only in between (after the completion, before the next submission).
-    header: Box<UringReqHeader>,
-    payload: AlignedBuf,
+    pub(crate) header: Box<UringReqHeader>,
+    pub(crate) payload: AlignedBuf,
     /// `iov[0]` = header, `iov[1]` = payload; read by the kernel at REGISTER.
     iov: Box<[libc::iovec; 2]>,
-    live: bool,
+    pub(crate) live: bool,
 }
 
 pub(crate) struct QueueThread {
@@ -50,7 +52,12 @@ pub(crate) struct QueueThread {
     pub(crate) cpu: Option<usize>,
     pub(crate) entries: usize,
     pub(crate) payload_size: usize,
+    /// `None`: answer every request on this thread, blocking in the engine.
+    pub(crate) async_mode: Option<super::async_queue::AsyncParts>,
 }
+
+/// The ring of a queue thread: 128-byte SQEs for the FUSE commands.
+pub(crate) type Ring = IoUring<squeue::Entry128, cqueue::Entry>;
 
 // The SQE's `len` field (struct io_uring_sqe: opcode, flags, ioprio, fd, off, addr, len).
 const SQE_LEN_OFFSET: usize = 24;
@@ -58,7 +65,7 @@ const _: () = assert!(size_of::<squeue::Entry128>() == 128);
 
 /// REGISTER needs `sqe->len == 2` (two iovecs), which the `io-uring` crate's
 /// `UringCmd80` builder does not expose.
-fn set_sqe_len(sqe: &mut squeue::Entry128, len: u32) {
+pub(crate) fn set_sqe_len(sqe: &mut squeue::Entry128, len: u32) {
     // SAFETY: Entry128 is #[repr(C)] around the kernel's 64-byte `struct io_uring_sqe`
     // (plus the 64-byte command tail); `len` is a u32 at byte 24 of it (uapi layout).
     // The write stays inside the 128-byte value, which we hold exclusively.
@@ -71,7 +78,7 @@ fn set_sqe_len(sqe: &mut squeue::Entry128, len: u32) {
     };
 }
 
-fn build_ring(entries: u32) -> io::Result<IoUring<squeue::Entry128, cqueue::Entry>> {
+fn build_ring(entries: u32) -> io::Result<Ring> {
     // One thread owns the ring: the kernel may then run the request hand-over (task
     // work) only when we wait for completions, instead of interrupting us.
     IoUring::<squeue::Entry128, cqueue::Entry>::builder()
@@ -97,7 +104,7 @@ pub(crate) fn pin_to_cpu(cpu: usize) -> io::Result<()> {
 impl QueueThread {
     /// Registers the entries, reports the outcome through `registered`, then serves
     /// until all entries are gone.
-    pub(crate) fn run(self, registered: Sender<io::Result<()>>) {
+    pub(crate) fn run(mut self, registered: Sender<io::Result<()>>) {
         if let Some(cpu) = self.cpu {
             // An offline CPU cannot be pinned to; its queue still needs entries for the
             // kernel to call the ring ready, so serve it unpinned.
@@ -127,7 +134,11 @@ impl QueueThread {
             .collect();
         // Declared after `ents`, so dropped before them on every return: closing the ring
         // cancels the kernel's hold on the buffers before they are freed.
-        let mut ring = match build_ring((self.entries * 2).next_power_of_two() as u32) {
+        let ring_entries = match &self.async_mode {
+            Some(_) => super::async_queue::ring_entries(self.entries),
+            None => (self.entries * 2).next_power_of_two() as u32,
+        };
+        let mut ring = match build_ring(ring_entries) {
             Ok(r) => r,
             Err(e) => {
                 let _ = registered.send(Err(e));
@@ -173,7 +184,19 @@ impl QueueThread {
             }
         }
         let _ = registered.send(first_err.map_or(Ok(()), Err));
+        match self.async_mode.take() {
+            Some(parts) => super::async_queue::serve(&self, parts, &mut ring, &mut ents, pending),
+            None => self.serve_sync(&mut ring, &mut ents, pending),
+        }
+    }
 
+    /// One request at a time per entry, answered on this thread (blocking in the engine).
+    pub(crate) fn serve_sync(
+        &self,
+        ring: &mut Ring,
+        ents: &mut [Ent],
+        mut pending: Vec<cqueue::Entry>,
+    ) {
         let mut scratch = Vec::new();
         loop {
             for cqe in pending.drain(..) {
@@ -186,27 +209,14 @@ impl QueueThread {
                     ent.live = false;
                     continue;
                 }
-                let commit_id = self.answer(ent, &mut scratch);
-                let cmd = UringCmdReq {
-                    commit_id,
-                    qid: self.qid,
-                    ..Default::default()
-                };
-                let sqe = opcode::UringCmd80::new(fd, proto::FUSE_IO_URING_CMD_COMMIT_AND_FETCH)
-                    .cmd(cmd.to_cmd())
-                    .build()
-                    .user_data(idx as u64);
-                // SAFETY: as for REGISTER: the entry's buffers stay allocated while the
-                // kernel may use them. The queue has room: it is twice the entries and
-                // each entry has at most one command in flight.
-                if unsafe { ring.submission().push(&sqe) }.is_err() {
-                    ent.live = false;
-                }
+                let req = Request::of(ent);
+                let outcome = self.handle(&req, ent, &mut scratch);
+                self.commit(ring, ent, &req, outcome, idx as u64);
             }
             if !ents.iter().any(|e| e.live) {
                 break;
             }
-            if let Err(e) = submit(&mut ring, 1) {
+            if let Err(e) = submit(ring, 1) {
                 eprintln!("vabc serve: FUSE io_uring queue {}: {e}", self.qid);
                 break;
             }
@@ -214,40 +224,106 @@ impl QueueThread {
         }
     }
 
-    /// Answers the request in `ent`; returns its commit id.
-    fn answer(&self, ent: &mut Ent, scratch: &mut Vec<u8>) -> u64 {
-        self.counters.ring.fetch_add(1, Ordering::Relaxed);
-        let hdr = &mut *ent.header;
-        let ring_in = hdr.ring_ent_in_out;
-        let ih: proto::InHeader = proto::read(&hdr.in_out).unwrap_or_default();
-        let fixed = proto::fixed_arg_size(ih.opcode).min(proto::FUSE_URING_OP_IN_OUT_SZ);
-        let arg = &hdr.op_in[..fixed];
+    /// Answers `req` (in `ent`) through the file system, the reply going to the entry's
+    /// payload buffer.
+    pub(crate) fn handle(&self, req: &Request, ent: &mut Ent, scratch: &mut Vec<u8>) -> Outcome {
+        let fixed = proto::fixed_arg_size(req.ih.opcode).min(proto::FUSE_URING_OP_IN_OUT_SZ);
+        let arg = &req.op_in[..fixed];
         let payload = ent.payload.slice_mut(self.payload_size);
         // Names arrive in the payload buffer, which is also where the reply goes.
         scratch.clear();
-        scratch.extend_from_slice(&payload[..(ring_in.payload_sz as usize).min(payload.len())]);
-        let (error, n) = match self.fs.handle(&ih, arg, scratch, payload) {
+        scratch.extend_from_slice(&payload[..(req.payload_sz as usize).min(payload.len())]);
+        self.fs.handle(&req.ih, arg, scratch, payload)
+    }
+
+    /// Writes the answer into `ent`'s header and queues COMMIT_AND_FETCH for it (the
+    /// command that also re-arms the entry), with `user_data`.
+    pub(crate) fn commit(
+        &self,
+        ring: &mut Ring,
+        ent: &mut Ent,
+        req: &Request,
+        outcome: Outcome,
+        user_data: u64,
+    ) {
+        self.counters.ring.fetch_add(1, Ordering::Relaxed);
+        let (error, n) = match outcome {
             Outcome::Reply(n) => (0, n),
             Outcome::Error(e) => (-e, 0),
             // Never sent over the ring; answer anyway so the entry is re-armed.
             Outcome::NoReply => (-libc::ENOSYS, 0),
         };
+        let hdr = &mut *ent.header;
         let out = proto::OutHeader {
             len: (size_of::<proto::OutHeader>() + n) as u32,
             error,
-            unique: ih.unique,
+            unique: req.ih.unique,
         };
         hdr.in_out[..size_of::<proto::OutHeader>()].copy_from_slice(proto::bytes(&out));
         hdr.ring_ent_in_out = UringEntInOut {
             payload_sz: n as u32,
-            commit_id: ring_in.commit_id,
+            commit_id: req.commit_id,
             ..Default::default()
         };
-        ring_in.commit_id
+        let cmd = UringCmdReq {
+            commit_id: req.commit_id,
+            qid: self.qid,
+            ..Default::default()
+        };
+        let sqe = opcode::UringCmd80::new(
+            types::Fd(self.fuse.as_raw_fd()),
+            proto::FUSE_IO_URING_CMD_COMMIT_AND_FETCH,
+        )
+        .cmd(cmd.to_cmd())
+        .build()
+        .user_data(user_data);
+        // SAFETY: as for REGISTER: the entry's buffers stay allocated while the kernel
+        // may use them (the ring is dropped before the entries).
+        if unsafe { push(ring, &sqe) }.is_err() {
+            ent.live = false;
+        }
     }
 }
 
-fn submit(ring: &mut IoUring<squeue::Entry128, cqueue::Entry>, want: usize) -> io::Result<()> {
+/// A request as the kernel put it in an entry's header, copied out so the header can
+/// take the answer.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Request {
+    pub(crate) ih: proto::InHeader,
+    pub(crate) op_in: [u8; proto::FUSE_URING_OP_IN_OUT_SZ],
+    pub(crate) payload_sz: u32,
+    pub(crate) commit_id: u64,
+}
+
+impl Request {
+    pub(crate) fn of(ent: &Ent) -> Request {
+        let hdr = &*ent.header;
+        Request {
+            ih: proto::read(&hdr.in_out).unwrap_or_default(),
+            op_in: hdr.op_in,
+            payload_sz: hdr.ring_ent_in_out.payload_sz,
+            commit_id: hdr.ring_ent_in_out.commit_id,
+        }
+    }
+}
+
+/// Queues `sqe`, first submitting what is queued when the submission queue is full.
+///
+/// # Safety
+/// As for [`io_uring::SubmissionQueue::push`]: whatever `sqe` points to stays valid
+/// until its completion arrives.
+pub(crate) unsafe fn push(ring: &mut Ring, sqe: &squeue::Entry128) -> io::Result<()> {
+    for _ in 0..2 {
+        // SAFETY: forwarded to the caller.
+        if unsafe { ring.submission().push(sqe) }.is_ok() {
+            return Ok(());
+        }
+        ring.submit()?;
+    }
+    Err(io::Error::other("io_uring submission queue full"))
+}
+
+pub(crate) fn submit(ring: &mut Ring, want: usize) -> io::Result<()> {
     loop {
         match ring.submit_and_wait(want) {
             Ok(_) => return Ok(()),
