@@ -472,12 +472,9 @@ mod tests {
     #[test]
     fn random_reads_do_not_read_ahead() {
         let d = dev(64 << 20, None);
-        let mut x = 12345u64;
+        let mut rng = fastrand::Rng::with_seed(12345);
         for _ in 0..200 {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            check(&d, (x % (63 << 20)) / 4096 * 4096, 4096);
+            check(&d, rng.u64(..63 << 20) / 4096 * 4096, 4096);
         }
         assert_eq!(d.inner().served.load(Ordering::Relaxed), 200 * 4096);
     }

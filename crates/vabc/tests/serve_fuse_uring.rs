@@ -148,13 +148,11 @@ fn corpus_pair_under_concurrent_random_reads() {
             let (file, want) = (file.clone(), want.clone());
             std::thread::spawn(move || {
                 let f = std::fs::File::open(&file).unwrap();
-                // xorshift: deterministic, different per thread.
-                let mut x = 0x9E37_79B9_7F4A_7C15u64 ^ (t + 1);
+                // Deterministic, different per thread.
+                let mut rng = fastrand::Rng::with_seed(t);
                 let len = want.len() as u64;
                 for _ in 0..READS {
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
+                    let x = rng.u64(..);
                     let n = 1 + x % (256 << 10);
                     let off = (x >> 20) % len;
                     let n = n.min(len - off) as usize;

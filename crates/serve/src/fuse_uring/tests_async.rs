@@ -52,12 +52,10 @@ fn random_direct_reads(file: &Path, want: &Arc<Vec<u8>>, threads: u64, reads: u6
                     .unwrap();
                 let mut buf = AlignedBuf::new(1 << 20);
                 let blocks = (want.len() / BS) as u64;
-                // xorshift: deterministic, different per thread.
-                let mut x = 0x2545_F491_4F6C_DD1Du64 ^ (t + 1).wrapping_mul(0x9E37_79B9);
+                // Deterministic, different per thread.
+                let mut rng = fastrand::Rng::with_seed(t);
                 for i in 0..=reads {
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
+                    let x = rng.u64(..);
                     let (off, n) = if i == reads {
                         (0, (1usize << 20).min(want.len()))
                     } else {
