@@ -58,7 +58,9 @@ pub struct Args {
     #[arg(long, default_value = "vabc")]
     pub export_name: String,
     /// Requests served at once per frontend (FUSE: threads that each read a
-    /// request from /dev/fuse, or from their ring, and answer it; NBD: workers).
+    /// request from /dev/fuse and answer it; NBD: workers). With --fuse-uring
+    /// the rings' queue threads answer small reads without blocking, and this
+    /// sets the pool for large reads and reads while merging or verifying.
     #[arg(long, default_value_t = 16)]
     pub workers: usize,
     /// FUSE threads reading /dev/fuse; only matters above --workers.
