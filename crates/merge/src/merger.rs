@@ -158,6 +158,9 @@ pub struct Merge<'a> {
     meta_cap: usize,
     data_off: u64,
     window_cap: usize,
+    /// Entries the scratch area holds: a published window (ours with other
+    /// options, or snapuserd's) can be this long, whatever `window_cap` is.
+    scratch_cap: usize,
     /// Ops of the longest window, direct or not (sizes the buffers).
     max_window: usize,
     base_size: u64,
@@ -229,6 +232,7 @@ impl<'a> Merge<'a> {
             meta_cap,
             data_off: (header_size + meta_size) as u64,
             window_cap,
+            scratch_cap: meta_cap.min(data_cap),
             max_window: if opts.direct_windows {
                 window_cap.max(opts.direct_max_ops)
             } else {
@@ -347,9 +351,15 @@ impl<'a> Merge<'a> {
         // area the next window's sources are read into while this one is
         // written (see `start_sources`). XOR payloads are decoded by a
         // worker thread (see `prepare`).
-        // No window is longer than the ordered ops (a small update needs
-        // a small buffer, quick to allocate and pin).
-        let cap = self.max_window.min(self.ordered).max(1) * BLOCK_SIZE;
+        // Room for our longest window and for a published one to replay,
+        // but no more than the ordered ops (a small update needs a small
+        // buffer, quick to allocate and pin).
+        let cap = self
+            .max_window
+            .max(self.scratch_cap)
+            .min(self.ordered)
+            .max(1)
+            * BLOCK_SIZE;
         let mut arena = AlignedBuf::new(4 * cap);
         // Registering only saves the kernel a page lookup per transfer; where
         // it is refused (an unprivileged user's RLIMIT_MEMLOCK), plain
@@ -700,7 +710,7 @@ impl<'a> Merge<'a> {
         let (pos, state) = self.progress(io)?;
         status.set_merged(pos as usize);
         if state == STATE_DONE && (pos as usize) < self.ordered {
-            let mut buf = vec![0u8; self.window_cap * BLOCK_SIZE];
+            let mut buf = vec![0u8; self.scratch_cap * BLOCK_SIZE];
             let n = self.read_scratch(io, pos as usize, &mut buf)?;
             if n > 0 {
                 status.begin_window(
@@ -749,7 +759,7 @@ impl<'a> Merge<'a> {
             let at = self.meta_off + (i * META_ENTRY) as u64;
             let expect = self.order.get(pos + i);
             let slot_ok = off == self.data_off + (i * BLOCK_SIZE) as u64;
-            if i >= self.window_cap
+            if i >= self.scratch_cap
                 || pos + i >= self.ordered
                 || expect.is_none_or(|op| op.new_block != block)
                 || !slot_ok

@@ -280,6 +280,7 @@ fn crash_at_every_write_and_sync_then_resume() {
         old: &old,
         new: &new,
         opts,
+        resume_opts: None,
     };
     let mut points = 0;
     for k in 0..events {
@@ -295,6 +296,49 @@ fn crash_at_every_write_and_sync_then_resume() {
     }
     eprintln!("{points} crash points over {events} events: {phases:?}");
     assert!(points >= 200, "only {points} crash points");
+}
+
+/// A merge interrupted inside a direct window resumes under AOSP's rules:
+/// a merger that copies every window through the scratch area, with other
+/// window boundaries, reads the sources again (state 1) and ends at the new
+/// image, as snapuserd would; one interrupted while replaying a published
+/// window longer than its own windows replays it whole.
+#[test]
+fn direct_window_crash_resumes_with_aosp_windows() {
+    let dir = tempfile::tempdir().unwrap();
+    let cow_path = dir.path().join("u.cow");
+    let (old, new) = make_update(&cow_path, 256, 3, Codec::Lz4);
+    let cow_bytes = std::fs::read(&cow_path).unwrap();
+    let opts = MergeOptions {
+        window_ops: 7,
+        commit_ops: 5,
+        direct_max_ops: 9,
+        ..Default::default()
+    };
+    let aosp = MergeOptions {
+        window_ops: 5,
+        commit_ops: 3,
+        direct_windows: false,
+        ..Default::default()
+    };
+    let (events, trace) = dry_run(&cow_path, &old, opts);
+    let sc = Scenario {
+        cow_bytes: &cow_bytes,
+        old: &old,
+        new: &new,
+        opts,
+        resume_opts: Some(aosp),
+    };
+    // Every event of the merge, as power loss and as a stop.
+    let mut points = 0;
+    for k in 0..events {
+        for how in [Crash::Stop, Crash::PowerLoss] {
+            crash_and_resume(&sc, k, how, Engine::Uring, dir.path());
+            points += 1;
+        }
+    }
+    let base_writes = trace.iter().filter(|t| !t.0 && t.1 == Dev::Base).count();
+    assert!(points >= 100 && base_writes > 0, "{points} points");
 }
 
 /// A second crash while resuming from the first is survived too.

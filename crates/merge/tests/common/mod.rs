@@ -312,6 +312,8 @@ pub struct Scenario<'a> {
     pub old: &'a [u8],
     pub new: &'a [u8],
     pub opts: MergeOptions,
+    /// Options of the resumed run (None: `opts`), e.g. AOSP's windows.
+    pub resume_opts: Option<MergeOptions>,
 }
 
 pub fn crash_and_resume(sc: &Scenario, k: u64, how: Crash, resume_engine: Engine, dir: &Path) {
@@ -320,6 +322,7 @@ pub fn crash_and_resume(sc: &Scenario, k: u64, how: Crash, resume_engine: Engine
         old,
         new,
         opts,
+        resume_opts,
     } = *sc;
     let cow_path = dir.join("c.cow");
     std::fs::write(&cow_path, cow_bytes).unwrap();
@@ -339,7 +342,13 @@ pub fn crash_and_resume(sc: &Scenario, k: u64, how: Crash, resume_engine: Engine
 
     // 1. What a restarted daemon serves before resuming: the new image.
     let r = CowReader::open(&cow_path).unwrap();
-    let m = Merge::new(&r, old.len() as u64, base_path.clone(), opts).unwrap();
+    let m = Merge::new(
+        &r,
+        old.len() as u64,
+        base_path.clone(),
+        resume_opts.unwrap_or(opts),
+    )
+    .unwrap();
     let status = Arc::new(MergeStatus::new());
     m.load_status(&mut SyncIo::new(rw(&base_path), rw(&cow_path)), &status)
         .unwrap();
