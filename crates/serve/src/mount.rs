@@ -69,13 +69,13 @@ pub fn detect_fstype(dev: &dyn BlockDevice) -> engine::Result<Option<FsType>> {
 }
 
 /// `dir`, canonical, if it is an existing directory that nothing is mounted on yet: where
-/// a FUSE export may be mounted.
+/// a FUSE export or a filesystem may be mounted.
 pub(crate) fn free_mount_dir(dir: &Path) -> Result<PathBuf> {
     let meta = std::fs::metadata(dir).map_err(io_err("mount point", dir))?;
     if !meta.is_dir() {
         return Err(ServeError::Invalid {
             path: dir.to_path_buf(),
-            msg: "FUSE mount point is not a directory".into(),
+            msg: "mount point is not a directory".into(),
         });
     }
     let dir = dir.canonicalize().map_err(io_err("resolve", dir))?;
@@ -432,17 +432,7 @@ impl MountStack {
         target: &Path,
         opts: &MountOptions,
     ) -> Result<MountStack> {
-        let meta = std::fs::metadata(target).map_err(io_err("mount point", target))?;
-        if !meta.is_dir() {
-            return Err(ServeError::Invalid {
-                path: target.to_path_buf(),
-                msg: "mount point is not a directory".into(),
-            });
-        }
-        let target = target.canonicalize().map_err(io_err("resolve", target))?;
-        if is_mount_point(&target)? {
-            return Err(ServeError::Busy { path: target });
-        }
+        let target = free_mount_dir(target)?;
         let fstype = match opts.fstype {
             Some(f) => f,
             None => detect_fstype(dev.as_ref())?.ok_or_else(|| ServeError::Invalid {
