@@ -240,6 +240,19 @@ mod tests {
         (0..len).map(|i| (i * 131 + i / 4096) as u8).collect()
     }
 
+    /// A synced temporary file holding `data`, and a second descriptor of it opened
+    /// `O_DIRECT` (an error where the filesystem refuses it).
+    fn file_with(data: &[u8]) -> (tempfile::NamedTempFile, io::Result<std::fs::File>) {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        f.write_all(data).unwrap();
+        f.as_file().sync_all().unwrap();
+        let direct = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(f.path());
+        (f, direct)
+    }
+
     #[test]
     fn batch_matches_pread_including_unaligned_long_and_eof() {
         let data = pattern(3 * 1024 * 1024 + 777);
@@ -274,13 +287,7 @@ mod tests {
     #[test]
     fn direct_io_reads_and_errors() {
         let data = pattern(1 << 20);
-        let mut f = tempfile::NamedTempFile::new().unwrap();
-        f.write_all(&data).unwrap();
-        f.as_file().sync_all().unwrap();
-        let direct = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_DIRECT)
-            .open(f.path());
+        let (f, direct) = file_with(&data);
         let mut aligned = crate::AlignedBuf::new(256 << 10);
         let mut past = vec![0u8; 100];
         let mut small = [0u8; 16];
@@ -308,13 +315,7 @@ mod tests {
     #[test]
     fn vectored_reads_scatter_in_order_direct_and_buffered() {
         let data = pattern(8 << 20);
-        let mut f = tempfile::NamedTempFile::new().unwrap();
-        f.write_all(&data).unwrap();
-        f.as_file().sync_all().unwrap();
-        let direct = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_DIRECT)
-            .open(f.path());
+        let (f, direct) = file_with(&data);
         // Page-aligned pieces of page-multiple sizes (as O_DIRECT needs), some adjacent in
         // memory (merged into one iovec), plus more pieces than one readv takes.
         let mut mem = crate::AlignedBuf::new(16 << 20);
