@@ -449,9 +449,12 @@ impl<'a> Merge<'a> {
                 }
             }
             let mut pending: Option<Pending> = None;
+            // The prefetched window's (length, direct), cut when its reads
+            // were started.
+            let mut next_window: Option<(usize, bool)> = None;
             while (pos as usize) < self.ordered && !out_of_budget(commits) {
                 let at = pos as usize;
-                let (n, direct) = self.window_at(at);
+                let (n, direct) = next_window.take().unwrap_or_else(|| self.window_at(at));
                 let cur = &mut *window;
                 let p = match pending.take() {
                     Some(p) => p,
@@ -477,7 +480,8 @@ impl<'a> Merge<'a> {
                 // decoded meanwhile.
                 let next = at + n;
                 if next < self.ordered && !out_of_budget(commits + 1) {
-                    let (m, _) = self.window_at(next);
+                    let (m, d) = self.window_at(next);
+                    next_window = Some((m, d));
                     send(Job::Xor { pos: next, n: m }, &mut queued);
                     // SAFETY: the staging area (consumed by `finish_sources`
                     // above) is left alone until the next iteration's
