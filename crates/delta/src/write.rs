@@ -16,6 +16,7 @@
 //! sort the REPLACE/ZERO ops but otherwise does the same, yet v2 COWs keep
 //! the sequence data and ascending ops that update_engine writes.
 
+use std::borrow::Cow;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -77,30 +78,32 @@ fn source_of(op: &BlockOp) -> u64 {
     }
 }
 
-/// The plan's ops in the order the device will merge them (the sequence,
-/// then REPLACE/ZERO ascending, as the reader derives it), as format ops.
-pub fn merge_ops(plan: &Plan) -> Vec<Op> {
+/// The plan's ops in the order the device will merge them: the sequence,
+/// then REPLACE/ZERO ascending, as the reader derives it.
+fn in_merge_order(plan: &Plan) -> impl Iterator<Item = &PlannedOp> {
     let find = |b: u64| plan.ops.binary_search_by_key(&b, |o| o.dst).ok();
-    let to_op = |p: &PlannedOp| Op {
-        kind: kind_of(&p.op),
-        new_block: p.dst,
-        source: source_of(&p.op),
-        blocks: 1,
-        data_offset: 0,
-        data_length: 0,
-    };
-    let mut out: Vec<Op> = plan
-        .sequence
+    plan.sequence
         .iter()
-        .filter_map(|&b| find(b).map(|i| to_op(&plan.ops[i])))
-        .collect();
-    out.extend(
-        plan.ops
-            .iter()
-            .filter(|p| matches!(p.op, BlockOp::Replace | BlockOp::Zero))
-            .map(to_op),
-    );
-    out
+        .filter_map(move |&b| find(b).map(|i| &plan.ops[i]))
+        .chain(
+            plan.ops
+                .iter()
+                .filter(|p| matches!(p.op, BlockOp::Replace | BlockOp::Zero)),
+        )
+}
+
+/// The plan's ops in merge order (see `in_merge_order`), as format ops.
+pub fn merge_ops(plan: &Plan) -> Vec<Op> {
+    in_merge_order(plan)
+        .map(|p| Op {
+            kind: kind_of(&p.op),
+            new_block: p.dst,
+            source: source_of(&p.op),
+            blocks: 1,
+            data_offset: 0,
+            data_length: 0,
+        })
+        .collect()
 }
 
 /// Number of REPLACE ops the writer makes of a run of `blocks` blocks:
@@ -201,20 +204,10 @@ pub fn write_cow(
         ..WriterOptions::default()
     };
     let mut w = CowWriter::create(&tmp_path, wopts)?;
-    let in_merge_order = opts.version >= 3;
+    let merge_ordered = opts.version >= 3;
     // The ops in the order they are written.
-    let stream: Vec<PlannedOp> = if in_merge_order {
-        let find = |b: u64| plan.ops.binary_search_by_key(&b, |o| o.dst).ok();
-        plan.sequence
-            .iter()
-            .filter_map(|&b| find(b).map(|i| plan.ops[i]))
-            .chain(
-                plan.ops
-                    .iter()
-                    .filter(|p| matches!(p.op, BlockOp::Replace | BlockOp::Zero))
-                    .copied(),
-            )
-            .collect()
+    let stream: Cow<'_, [PlannedOp]> = if merge_ordered {
+        Cow::Owned(in_merge_order(plan).copied().collect())
     } else {
         let seq: Vec<u32> = plan
             .sequence
@@ -228,7 +221,7 @@ pub fn write_cow(
         if !seq.is_empty() {
             w.add_sequence(&seq)?;
         }
-        plan.ops.clone()
+        Cow::Borrowed(&plan.ops)
     };
     w.add_label(0)?;
 
