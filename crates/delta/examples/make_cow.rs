@@ -19,10 +19,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let old = ImageFile::open(Path::new(&a[1]), false)?;
     let new = ImageFile::open(Path::new(&a[2]), false)?;
     let compression: cow::Compression = a[5].parse()?;
-    let mut p = PlanOptions {
-        estimator: delta::Estimator::for_codec(compression.codec),
-        ..PlanOptions::default()
-    };
+    let mut p = PlanOptions::for_codec(compression.codec);
     if let Some(x) = a.get(7) {
         p.xor_max_percent = x.parse()?;
         p.xor = p.xor_max_percent > 0;

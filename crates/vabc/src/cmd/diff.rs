@@ -11,7 +11,7 @@ use anyhow::{Context, bail};
 use clap::ValueEnum;
 use cow::Compression;
 use delta::write::{CowOptions, write_cow};
-use delta::{Estimator, ImageFile, PlanOptions, Progress};
+use delta::{ImageFile, PlanOptions, Progress};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
@@ -219,8 +219,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let popts = PlanOptions {
         xor: !args.no_xor,
         threads: args.threads,
-        estimator: Estimator::for_codec(compression.codec),
-        ..PlanOptions::default()
+        ..PlanOptions::for_codec(compression.codec)
     };
     let plan = delta::plan(&old, &new, &popts, &bar)?;
     let plan_seconds = t0.elapsed().as_secs_f64();
