@@ -29,6 +29,9 @@ pub struct WriterOptions {
     /// 2 or 3.
     pub version: u16,
     pub compression: Compression,
+    /// Level for XOR payloads instead of `compression`'s (same codec).
+    /// Readers cannot tell: each payload is a standard stream of its codec.
+    pub xor_level: Option<i32>,
     /// v3 `max_compression_size`: 4 KiB..256 KiB, a power of two.
     pub compression_factor: u32,
     /// v2 cluster size in op slots (0 = unclustered, else ≥ 2).
@@ -48,6 +51,7 @@ impl Default for WriterOptions {
         WriterOptions {
             version: 3,
             compression: Compression::new(Codec::Lz4),
+            xor_level: None,
             compression_factor: 65536,
             cluster_ops: 1024,
             op_count_max: 0,
@@ -633,7 +637,10 @@ impl CowWriter {
         units: &[(u64, usize, usize)],
         source_of: impl Fn(u64) -> u64,
     ) -> Result<()> {
-        let comp = self.opts.compression;
+        let mut comp = self.opts.compression;
+        if kind == OpKind::Xor && self.opts.xor_level.is_some() {
+            comp.level = self.opts.xor_level;
+        }
         let unit_max = if self.opts.version == 3 {
             self.opts.compression_factor as usize
         } else {

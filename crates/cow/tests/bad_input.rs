@@ -35,6 +35,7 @@ fn seeds() -> Vec<(String, Vec<u8>)> {
             WriterOptions {
                 version,
                 compression: Compression { codec, level: None },
+                xor_level: None,
                 compression_factor: factor,
                 cluster_ops: cluster,
                 op_count_max: 32,

@@ -188,6 +188,8 @@ fn opts(
     WriterOptions {
         version,
         compression: Compression { codec, level },
+        // XOR payloads at another level are still plain zstd frames.
+        xor_level: (codec == Codec::Zstd && factor_exp % 2 == 1).then_some(1),
         compression_factor: 4096 << factor_exp,
         cluster_ops: cluster,
         op_count_max: 4096,

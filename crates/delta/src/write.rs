@@ -21,7 +21,7 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use cow::{Compression, CowReader, CowWriter, Op, OpKind, WriterOptions};
+use cow::{Codec, Compression, CowReader, CowWriter, Op, OpKind, WriterOptions};
 
 use crate::error::{DeltaError, Result};
 use crate::image::BlockImage;
@@ -104,6 +104,19 @@ pub fn merge_ops(plan: &Plan) -> Vec<Op> {
             data_length: 0,
         })
         .collect()
+}
+
+/// Highest zstd level worth spending on XOR payloads. They are compressed
+/// 4 KiB at a time, where zstd's slowest strategies (levels 16-22) gain
+/// little: on the `system` ext4 pair, XOR payloads at level 15 instead of
+/// 19 add 0.15% to the COW (44 123 179 against 44 058 240 bytes) and take
+/// 30% off the whole diff's CPU time (141 s instead of 202 s).
+pub const XOR_MAX_ZSTD_LEVEL: i32 = 15;
+
+/// The level for XOR payloads: zstd's capped at [`XOR_MAX_ZSTD_LEVEL`],
+/// other codecs' unchanged.
+fn xor_level(c: Compression) -> Option<i32> {
+    (c.codec == Codec::Zstd && c.level() > XOR_MAX_ZSTD_LEVEL).then_some(XOR_MAX_ZSTD_LEVEL)
 }
 
 /// Number of REPLACE ops the writer makes of a run of `blocks` blocks:
@@ -197,6 +210,7 @@ pub fn write_cow(
     let wopts = WriterOptions {
         version: opts.version,
         compression: opts.compression,
+        xor_level: xor_level(opts.compression),
         compression_factor: opts.compression_factor,
         op_count_max: op_count.max(1),
         threads: opts.threads,
