@@ -4,7 +4,8 @@
 # For every corpus pair and filesystem: patch/COW size, wall time and peak
 # RSS (/usr/bin/time -v) of
 #   vabc-lz4     vabc diff --compression lz4 (v3, 64 KiB units: Android's configuration)
-#   vabc-zstd    vabc diff (defaults: v3, zstd level 19, 64 KiB units)
+#   vabc-zstd    vabc diff (defaults: v3, zstd level 19, 128 KiB units)
+#   vabc-zstd64  vabc diff --compression-factor 64k (zstd:19 in Android's 64 KiB units)
 #   vabc-zstd3   vabc diff --compression zstd:3 (fast)
 #   vabc-zstd19  vabc diff --compression zstd:19 --compression-factor 256k (smallest)
 #   vabc-noxor   vabc diff --no-xor (COPY+REPLACE only, default codec)
@@ -40,7 +41,7 @@ SHARED=${SHARED:-$ROOT/../shared}
 CORPUS=/tmp/corpus
 PAIRS="tiny small medium system"
 FSS="ext4 erofs erofs-lz4hc"
-TOOLS="vabc-lz4 vabc-zstd vabc-zstd3 vabc-zstd19 vabc-noxor xd3 zstd19p zstd3p bsdiff zstd19"
+TOOLS="vabc-lz4 vabc-zstd vabc-zstd64 vabc-zstd3 vabc-zstd19 vabc-noxor xd3 zstd19p zstd3p bsdiff zstd19"
 CODECS="none gz lz4 zstd:3 brotli:1"
 MATRIX=0
 BSDIFF_TIMEOUT=${BSDIFF_TIMEOUT:-1200}
@@ -145,9 +146,10 @@ for pair in $PAIRS; do
 			rm -f "$W/p" "$W/applied" "$W/out"
 			ok=fail bytes=NA payload=
 			case $t in
-			vabc-lz4 | vabc-zstd | vabc-zstd3 | vabc-zstd19 | vabc-noxor)
+			vabc-lz4 | vabc-zstd | vabc-zstd64 | vabc-zstd3 | vabc-zstd19 | vabc-noxor)
 				args=()
-				[ $t = vabc-lz4 ] && args=(--compression lz4)
+				[ $t = vabc-lz4 ] && args=(--compression lz4 --compression-factor 64k)
+				[ $t = vabc-zstd64 ] && args=(--compression-factor 64k)
 				[ $t = vabc-zstd3 ] && args=(--compression zstd:3)
 				[ $t = vabc-zstd19 ] && args=(--compression zstd:19 --compression-factor 256k)
 				[ $t = vabc-noxor ] && args=(--no-xor)

@@ -19,24 +19,24 @@
 //! changed NEW block for the plan + a 1 MiB chunk of NEW and of OLD per
 //! worker thread + the COW writer's batch buffers. Neither image is ever
 //! held whole. Measured on the `system` corpus pair (701 MB ext4 images):
-//! peak RSS 246 MiB for the whole `vabc diff` (108 MiB with
-//! `anchor_bits` = 8).
+//! peak RSS 251 MiB for the whole `vabc diff` (index 140 MiB; 487 MiB
+//! with `anchor_bits` = 5).
 //!
 //! # Defaults, and the measurements behind them
-//! `vabc diff` defaults to COW **v3, zstd level 19, 64 KiB compression
-//! units**. Android's own choice is lz4; but Android compresses on the
-//! phone while installing, where lz4's speed matters most, and we compress
-//! on the build host, where the budget is xdelta3 -9's time (190 s
-//! on the `system` pair). `system` ext4 pair, 2 busy CPUs (load 8-10),
-//! everything else default:
+//! `vabc diff` defaults to COW **v3, zstd level 19, 128 KiB compression
+//! units**. Android's own choice is lz4 in 64 KiB units; but Android
+//! compresses on the phone while installing, where lz4's speed matters
+//! most, and we compress on the build host, where the budget is
+//! xdelta3 -9's time (~180 s on the `system` pair). `system` ext4 pair,
+//! everything else default (xdelta3 -9: 34 287 481 bytes):
 //!
 //! | codec, factor | COW bytes | × xdelta3 -9 | wall s |
 //! |---|---:|---:|---:|
-//! | lz4, 64 KiB | 74 318 234 | 2.17 | 17 |
-//! | zstd:3, 64 KiB | 52 825 210 | 1.54 | 17 |
-//! | zstd:9, 64 KiB | 49 588 297 | 1.45 | 23 |
-//! | **zstd:19, 64 KiB** | **47 124 465** | **1.37** | **154-225** |
-//! | zstd:19, 256 KiB (old planner) | 46 942 956 | 1.37 | 77-136 |
+//! | lz4, 64 KiB (old planner) | 74 318 234 | 2.17 | 17 |
+//! | zstd:3, 64 KiB | 50 0xx xxx | 1.46 | 12 |
+//! | zstd:19, 64 KiB | 44 647 415 | 1.302 | 100-130 |
+//! | **zstd:19, 128 KiB** | **44 058 240** | **1.285** | **117** |
+//! | zstd:22, 64 KiB | 44 583 885 | 1.300 | 184 |
 //! | gz (9), 64 KiB (old planner) | 52 198 488 | 1.52 | 22 |
 //! | brotli (11), 64 KiB (old planner) | 45 492 602 | 1.33 | 656 |
 //!
@@ -44,35 +44,47 @@
 //! pair's REPLACE data in 64 KiB units: ~480 MiB/s at levels 3 and 19, and
 //! its 4 KiB XOR payloads decode faster at 19), so the level costs the
 //! build host time, never the device: 19 is the smallest COW within the
-//! time budget. brotli 11 is 3.5% smaller but 3-6× over the budget. 256
-//! KiB units save another ~1.5% but make every served 4 KiB read decode up
-//! to 256 KiB, so 64 KiB stays (Android's value). For speed use
-//! `--compression zstd:3` (1.12× the bytes, ~8× faster).
+//! time budget (22 saves 0.15% for 1.5× the time). The writer cuts each
+//! REPLACE run into the largest power-of-two units that fit, so 128 KiB
+//! units appear only in runs of 32+ blocks (new files, read sequentially
+//! at boot): 1.3% smaller than 64 KiB, and random 4 KiB O_DIRECT reads of
+//! the image served from each COW ran at the same speed (8.6k / 10.6k IOPS
+//! at QD1 for 64 KiB, 8.8k / 11.1k for 128 KiB, alternating runs). 256 KiB
+//! saves about 1% more but doubles again what a read inside a long run
+//! decodes. For speed use `--compression zstd:3` (1.12× the bytes, ~8×
+//! faster); for Android's configuration `--compression lz4
+//! --compression-factor 64k`.
 //!
 //! Planner knobs ([`PlanOptions`]), measured on the corpus with real COWs:
-//! the XOR/REPLACE threshold (`xor_max_percent`) at 60/72/85/100% gives
-//! `system` ext4 zstd:3 COWs of 54.08 / 53.79 / 53.65 / 53.69 MB (zstd:1
-//! estimator); on tiny.ext4 with lz4 estimates 50/70/85/95% gave 3 852 656
-//! / 3 737 399 / 3 695 330 / 3 692 045 bytes. 85% is the default. The
-//! size estimate ([`Estimator`]) follows the codec: zstd level 1 for the
-//! entropy coders (0.2% smaller than lz4 estimates on `system`), lz4 for
-//! lz4. Anchor density 2^-8 / 2^-7 / 2^-6 gives 53.65 / 53.33 / 52.99 MB
-//! on `system` (zstd:3) at index RSS of 108 / 198 / 246 MiB: 2^-6, within
-//! the 1 GiB budget. Voted candidates 2 / 4 / 8 at 2^-6: 52.99 / 52.83 /
-//! 52.78 MB: 4.
+//! * Anchors: an 11-byte gear window ([`index::GEAR_SHIFT`]) with hashes
+//!   kept up to 256 times in OLD ([`index::MAX_ANCHOR_DUP`]). Recompiled
+//!   code keeps few 64-byte runs intact but many 11-byte ones. `system`
+//!   ext4, zstd:3 COW: 64-byte window and 4 duplicates 52.35 MB; 16-byte
+//!   window 51.50 MB; 16 bytes and 64 / 256 duplicates 50.61 / 50.38 MB;
+//!   13 / 11 / 8-byte windows at 256 duplicates 50.11 / 50.08 / 50.12 MB.
+//!   Votes are counted by sorting, so common anchors cost O(n log n).
+//! * Candidates: the top 8 voted offsets (4 / 8 / 16: 50.06 / 50.01 /
+//!   49.98 MB), the continuation of the previous block's match and the
+//!   same offset; each sharing ≥ 1 KiB is scored by its estimated XOR
+//!   size, not by equal bytes (-0.04%).
+//! * The XOR/REPLACE threshold (`xor_max_percent`): 78% with zstd
+//!   estimates ([`plan::ZSTD_XOR_MAX_PERCENT`], measured on zstd:19 COWs),
+//!   85% with lz4's ([`plan::LZ4_XOR_MAX_PERCENT`]). The estimator
+//!   ([`Estimator`]) is zstd level 1 for the entropy coders (level 3 gave
+//!   the same COW within 0.002%), lz4 for lz4.
+//! * Anchor density 2^-6: 2^-5 saves another 0.06% for twice the index
+//!   (peak RSS 487 instead of 251 MiB).
 //!
-//! Where the bytes go on `system` ext4 (zstd:19): REPLACE 29.9 MB (26 367
-//! blocks, of which 4 are merge-cycle breaks: the rest had no candidate
-//! that XORs well, mostly recompiled `.so` code), XOR 12.6 MB (55 290
-//! blocks, 80% of them under 512 bytes), and the fixed costs of the format:
-//! the 2 MiB merge scratch area (kept: it is what makes the merge
-//! crash-safe) and 16 B per op (2.0 MB). v3 COWs carry no sequence data
-//! (the ops are written in merge order instead, see [`mod@write`]), which
-//! saved 4 B per ordered op: 47 124 465 → 46 647 057 bytes. The REPLACE data is what keeps the COW above xdelta3
-//! -9: alone it compresses to 18.9 MB with `zstd -19 --long` as one
-//! stream, but the format compresses each REPLACE op (≤ 256 KiB of
-//! consecutive blocks) on its own, and half the REPLACE runs are 1-4
-//! blocks long.
+//! Where the bytes go on `system` ext4 (zstd:19, 128 KiB): REPLACE 26.3 MB
+//! (23 495 blocks, 18 of them merge-cycle breaks: the rest had no
+//! candidate that XORs well, mostly recompiled `.so` code), XOR 13.6 MB
+//! (58 162 blocks), and the fixed costs of the format: the 2 MiB merge
+//! scratch area (kept: it is what makes the merge crash-safe) and 16 B per
+//! op (2.0 MB). v3 COWs carry no sequence data (the ops are written in
+//! merge order instead, see [`mod@write`]). What still separates the COW
+//! from a stream delta is compression context: the format compresses each
+//! op on its own (XOR payloads 4 KiB each, REPLACE units ≤ 256 KiB), where
+//! `zstd -19 --long` compresses all REPLACE data as one stream to 18.9 MB.
 
 pub mod error;
 pub mod image;

