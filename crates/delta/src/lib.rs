@@ -27,15 +27,17 @@
 //! units**. Android's own choice is lz4 in 64 KiB units; but Android
 //! compresses on the phone while installing, where lz4's speed matters
 //! most, and we compress on the build host, where the budget is
-//! xdelta3 -9's time (~180 s on the `system` pair). `system` ext4 pair,
-//! everything else default (xdelta3 -9: 34 287 481 bytes):
+//! xdelta3 -9's time (99-190 s on the `system` pair, depending on the
+//! machine's load). `system` ext4 pair, everything else default (xdelta3
+//! -9: 34 287 481 bytes, 99 s in the same run as the bold row):
 //!
 //! | codec, factor | COW bytes | × xdelta3 -9 | wall s |
 //! |---|---:|---:|---:|
 //! | lz4, 64 KiB (old planner) | 74 318 234 | 2.17 | 17 |
-//! | zstd:3, 64 KiB | 50 0xx xxx | 1.46 | 12 |
-//! | zstd:19, 64 KiB | 44 647 415 | 1.302 | 100-130 |
-//! | **zstd:19, 128 KiB** | **44 058 240** | **1.285** | **117** |
+//! | zstd:3, 64 KiB | 50 097 155 | 1.46 | 12-34 |
+//! | zstd:19, 64 KiB | 44 712 354 | 1.304 | 79 |
+//! | **zstd:19, 128 KiB** | **44 123 179** | **1.287** | **84** |
+//! | zstd:19, 128 KiB, XOR payloads at 19 too | 44 058 240 | 1.285 | 117-134 |
 //! | zstd:22, 64 KiB | 44 583 885 | 1.300 | 184 |
 //! | gz (9), 64 KiB (old planner) | 52 198 488 | 1.52 | 22 |
 //! | brotli (11), 64 KiB (old planner) | 45 492 602 | 1.33 | 656 |
@@ -44,14 +46,16 @@
 //! pair's REPLACE data in 64 KiB units: ~480 MiB/s at levels 3 and 19, and
 //! its 4 KiB XOR payloads decode faster at 19), so the level costs the
 //! build host time, never the device: 19 is the smallest COW within the
-//! time budget (22 saves 0.15% for 1.5× the time). The writer cuts each
+//! time budget (22 saves 0.15% for 1.5× the time). XOR payloads, 4 KiB
+//! each, are compressed at level 15 at most ([`write::XOR_MAX_ZSTD_LEVEL`]):
+//! levels above cost 30% of the diff's CPU time for 0.15%. The writer cuts each
 //! REPLACE run into the largest power-of-two units that fit, so 128 KiB
 //! units appear only in runs of 32+ blocks (new files, read sequentially
 //! at boot): 1.3% smaller than 64 KiB, and random 4 KiB O_DIRECT reads of
 //! the image served from each COW ran at the same speed (8.6k / 10.6k IOPS
 //! at QD1 for 64 KiB, 8.8k / 11.1k for 128 KiB, alternating runs). 256 KiB
 //! saves about 1% more but doubles again what a read inside a long run
-//! decodes. For speed use `--compression zstd:3` (1.12× the bytes, ~8×
+//! decodes. For speed use `--compression zstd:3` (1.14× the bytes, ~7×
 //! faster); for Android's configuration `--compression lz4
 //! --compression-factor 64k`.
 //!
@@ -78,7 +82,7 @@
 //! Where the bytes go on `system` ext4 (zstd:19, 128 KiB): REPLACE 26.3 MB
 //! (23 495 blocks, 18 of them merge-cycle breaks: the rest had no
 //! candidate that XORs well, mostly recompiled `.so` code), XOR 13.6 MB
-//! (58 162 blocks), and the fixed costs of the format: the 2 MiB merge
+//! (58 162 blocks, 0.23 KB each), and the fixed costs of the format: the 2 MiB merge
 //! scratch area (kept: it is what makes the merge crash-safe) and 16 B per
 //! op (2.0 MB). v3 COWs carry no sequence data (the ops are written in
 //! merge order instead, see [`mod@write`]). What still separates the COW
