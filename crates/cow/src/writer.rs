@@ -638,8 +638,8 @@ impl CowWriter {
         source_of: impl Fn(u64) -> u64,
     ) -> Result<()> {
         let mut comp = self.opts.compression;
-        if kind == OpKind::Xor && self.opts.xor_level.is_some() {
-            comp.level = self.opts.xor_level;
+        if let (OpKind::Xor, Some(l)) = (kind, self.opts.xor_level) {
+            comp.level = Some(l);
         }
         let unit_max = if self.opts.version == 3 {
             self.opts.compression_factor as usize
