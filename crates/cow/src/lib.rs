@@ -5,7 +5,7 @@
 //! `shared/spec/aosp-cow.md`): a COW written by update_engine reads here and
 //! a COW written here reads on a device.
 //!
-//! - [`format`]: on-disk structures and constants.
+//! - [`mod@format`]: on-disk structures and constants.
 //! - [`codec`]: the payload codecs (none, gz, brotli, lz4, zstd).
 //! - [`reader`]: parse a COW into ops; random access to any op's payload.
 //! - [`merge`]: AOSP's merge-order derivation and the op-by-op validator.
