@@ -50,8 +50,8 @@ const fn splitmix64(state: u64) -> (u64, u64) {
 /// on the last 11 bytes only. Recompiled code rarely keeps 64 bytes intact
 /// (every relocated address changes), but 11-byte runs between changes are
 /// common: on the `system` ext4 pair the 11-byte window (with
-/// [`MAX_ANCHOR_DUP`] raised to match) finds XOR sources for 3 900 blocks
-/// that a 64-byte window leaves as REPLACE, 4.4% off the zstd:3 COW.
+/// [`MAX_ANCHOR_DUP`] raised to match) finds XOR sources for 3 700 blocks
+/// that a 64-byte window leaves as REPLACE, 4.3% off the zstd:3 COW.
 pub const GEAR_SHIFT: u32 = 6;
 
 /// `(2^GEAR_SHIFT - 1)^-1 mod 2^64`, by Newton's iteration (each step

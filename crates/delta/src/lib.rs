@@ -47,11 +47,11 @@
 //! its 4 KiB XOR payloads decode faster at 19), so the level costs the
 //! build host time, never the device: 19 is the smallest COW within the
 //! time budget (22 saves 0.15% for 1.5× the time). XOR payloads, 4 KiB
-//! each, are compressed at level 15 at most ([`write::XOR_MAX_ZSTD_LEVEL`]):
-//! levels above cost 30% of the diff's CPU time for 0.15%. The writer cuts each
-//! REPLACE run into the largest power-of-two units that fit, so 128 KiB
-//! units appear only in runs of 32+ blocks (new files, read sequentially
-//! at boot): 1.3% smaller than 64 KiB, and random 4 KiB O_DIRECT reads of
+//! each, are compressed at level 15 at most
+//! ([`write::XOR_MAX_ZSTD_LEVEL`]): levels above cost 30% of the diff's
+//! CPU time for 0.15%. The writer cuts each REPLACE run into the largest
+//! power-of-two units that fit, so 128 KiB units appear only in runs of
+//! 32+ blocks (new files, read sequentially at boot): 1.3% smaller than 64 KiB, and random 4 KiB O_DIRECT reads of
 //! the image served from each COW ran at the same speed (8.6k / 10.6k IOPS
 //! at QD1 for 64 KiB, 8.8k / 11.1k for 128 KiB, alternating runs). 256 KiB
 //! saves about 1% more but doubles again what a read inside a long run
@@ -82,9 +82,9 @@
 //! Where the bytes go on `system` ext4 (zstd:19, 128 KiB): REPLACE 26.3 MB
 //! (23 495 blocks, 18 of them merge-cycle breaks: the rest had no
 //! candidate that XORs well, mostly recompiled `.so` code), XOR 13.6 MB
-//! (58 162 blocks, 0.23 KB each), and the fixed costs of the format: the 2 MiB merge
-//! scratch area (kept: it is what makes the merge crash-safe) and 16 B per
-//! op (2.0 MB). v3 COWs carry no sequence data (the ops are written in
+//! (58 162 blocks, 0.23 KB each), and the fixed costs of the format: the
+//! 2 MiB merge scratch area (kept: it is what makes the merge crash-safe)
+//! and 16 B per op (2.0 MB). v3 COWs carry no sequence data (the ops are written in
 //! merge order instead, see [`mod@write`]). What still separates the COW
 //! from a stream delta is compression context: the format compresses each
 //! op on its own (XOR payloads 4 KiB each, REPLACE units ≤ 256 KiB), where
