@@ -17,7 +17,10 @@
 # Engines: sync (per-op baseline), uring-buffered (`--buffered`: through the
 # page cache), uring (the default: O_DIRECT for aligned transfers). The
 # "waits" column splits the run's wall time into time blocked on reads,
-# writes and syncs (the rest is CPU).
+# writes and syncs (the rest is CPU). After the table, per pair, the request
+# floor: the uring merge's reads and writes at the IOPS fio reaches with
+# random transfers of their mean size at QD32 (a merge of scattered blocks is
+# bound by its request count on a disk whose IOPS saturate).
 #
 # Usage: bench/merge.sh [-p "medium system"] [-c CORPUS_DIR] [-w WORKDIR]
 # Needs (Debian): fio; the corpus is built with ../shared/corpus/make-corpus.sh.
@@ -32,7 +35,7 @@ while getopts "p:c:w:" opt; do
 	p) PAIRS=$OPTARG ;;
 	c) CORPUS=$OPTARG ;;
 	w) WORK=$OPTARG ;;
-	*) sed -n '2,18p' "$0" >&2; exit 2 ;;
+	*) sed -n '2,25p' "$0" >&2; exit 2 ;;
 	esac
 done
 command -v fio >/dev/null || { echo "missing fio (apt-get install fio)" >&2; exit 1; }
@@ -61,6 +64,7 @@ rm -f "$WORK/fsync.dat"
 
 echo "| pair | engine | ops | seconds | waits read/write/sync s | syscalls | fsyncs | MB read | MB written (incl. scratch) | device limit s | vs limit | protocol floor s | vs floor | speedup vs sync |"
 echo "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+notes=()
 for pair in $PAIRS; do
 	[ -e "$CORPUS/$pair/old.ext4.img" ] || bash "$SHARED/corpus/make-corpus.sh" -p "$pair" -o "$CORPUS" >&2
 	"$VABC" diff "$CORPUS/$pair/old.ext4.img" "$CORPUS/$pair/new.ext4.img" -o "$WORK/$pair.cow" >/dev/null
@@ -77,7 +81,7 @@ for pair in $PAIRS; do
 		"$VABC" merge --base "$WORK/base.img" --cow "$WORK/merge.cow" "${args[@]}" --json >"$WORK/report.json"
 		t1=$(now)
 		cmp "$WORK/base.img" "$CORPUS/$pair/new.ext4.img" || { echo "MISMATCH $pair $engine" >&2; exit 1; }
-		read -r ops sc fs br bw waits < <(python3 -c "import json; r=json.load(open('$WORK/report.json')); print(r['total_ops'], r['syscalls'], r['fsyncs'], r['bytes_read'], r['bytes_written'], '%.2f/%.2f/%.2f' % (r['read_wait_seconds'], r['write_wait_seconds'], r['sync_wait_seconds']))")
+		read -r ops sc fs br bw waits nreq < <(python3 -c "import json; r=json.load(open('$WORK/report.json')); print(r['total_ops'], r['syscalls'], r['fsyncs'], r['bytes_read'], r['bytes_written'], '%.2f/%.2f/%.2f' % (r['read_wait_seconds'], r['write_wait_seconds'], r['sync_wait_seconds']), r['reads'] + r['writes'])")
 		secs=$(echo "$t1 - $t0" | bc -l)
 		# The limit: read every COPY/XOR source once, write every destination once.
 		read -r src dst < <("$VABC" inspect --json "$WORK/$pair.cow" | python3 -c "import json,sys; v=json.load(sys.stdin); b=v['blocks_by_type']; print((b.get('COPY',0)+b.get('XOR',0))*4096, v['blocks_covered']*4096)")
@@ -88,6 +92,7 @@ for pair in $PAIRS; do
 		# file cost far less each than this measured one.)
 		floor=$(echo "$limit + $fs * $FSYNC_S" | bc -l)
 		[ "$engine" = sync ] && sync_s=$secs
+		[ "$engine" = uring ] && uring_stat="$nreq $br $bw $secs"
 		if [ "$engine" != sync ]; then
 			fcol=$(printf '%.2f | %.2fx' "$floor" "$(echo "$secs / $floor" | bc -l)")
 		else
@@ -97,7 +102,23 @@ for pair in $PAIRS; do
 			"$(echo "$br / 1048576" | bc -l)" "$(echo "$bw / 1048576" | bc -l)" "$limit" "$(echo "$secs / $limit" | bc -l)" \
 			"$fcol" "$(echo "$sync_s / $secs" | bc -l)"
 	done
+	# The request floor: the uring merge's transfers (reads and writes, as
+	# the engine issued them) at the rate fio reaches with random reads and
+	# writes of their mean size at queue depth 32 on the same filesystem.
+	# A merge of scattered blocks is bound by this, not by the sequential
+	# bandwidth of the device limit.
+	read -r nreq br bw secs <<<"$uring_stat"
+	bs=$(((br + bw) / nreq / 4096 * 4096))
+	fio --name=prep --filename="$WORK/fio.dat" --size=1G --bs=1M --rw=write --end_fsync=1 >/dev/null 2>&1
+	iops=$(fio --name=rr --filename="$WORK/fio.dat" --size=1G --bs="$bs" --direct=1 --ioengine=io_uring --iodepth=32 \
+		--rw=randrw --runtime=4 --time_based --output-format=json 2>/dev/null |
+		python3 -c "import json,sys; j=json.load(sys.stdin)['jobs'][0]; print(int(j['read']['iops'] + j['write']['iops']))")
+	rm -f "$WORK/fio.dat"
+	notes+=("$(printf '%s: uring issued %d reads and writes of %d KiB on average; fio random read/write at %d KiB, QD32: %d IOPS, so a request floor of %.2f s; uring took %.2f s (%.2fx)' \
+		"$pair" "$nreq" "$(((br + bw) / nreq / 1024))" "$((bs / 1024))" "$iops" "$(echo "$nreq / $iops" | bc -l)" "$secs" "$(echo "$secs * $iops / $nreq" | bc -l)")")
 done
+printf '\n'
+printf -- '- %s\n' "${notes[@]}"
 printf '\nfio on this filesystem: read %.0f MB/s, write %.0f MB/s (1 MiB, O_DIRECT), 4 KiB O_DIRECT write + fdatasync %.2f ms\n' \
 	"$(echo "$READ_BW / 1048576" | bc -l)" "$(echo "$WRITE_BW / 1048576" | bc -l)" "$(echo "$FSYNC_S * 1000" | bc -l)"
 echo "command: bench/merge.sh -p \"$PAIRS\"   ($(nproc) cores, $(uname -sr), load $(cut -d' ' -f1-3 /proc/loadavg))"
