@@ -13,14 +13,19 @@
 # Then one buffered read of the whole device and a mincore count of every cache layer
 # (loop device, FUSE file, files the daemon reads): "copies" = cached bytes / image size.
 # Targets (issue 4): rand 4K QD32 >= 1.5x qsd; seq 1M >= 0.8x loop-raw.
+# ROUNDS (default 3) repeats every config in turn; the table shows medians, the ratios
+# are given per round and as their median (this disk's speed drifts by tens of percent
+# from minute to minute, so one round says little).
 #
 # Needs root, fio, qemu-storage-daemon (qemu-system-common), python3.
-# Usage: bench/serve.sh [PAIR]        (default system; RUNTIME=8 seconds per random job)
+# Usage: bench/serve.sh [PAIR]        (default system; RUNTIME=8 seconds per random job,
+#                                     ROUNDS=3)
 # Subsets for quick iterations: CONFIGS="loop-raw vabc" JOBS="seq1 seq8" bench/serve.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PAIR=${1:-system}
 RUNTIME=${RUNTIME:-8}
+ROUNDS=${ROUNDS:-3}
 CONFIGS=${CONFIGS:-loop-raw vabc vabc-uring qsd}
 JOBS=${JOBS:-seq1 seq8 rnd1 rnd32 cache}
 SEQ_SIZE=${SEQ_SIZE:-512M}
@@ -43,7 +48,7 @@ SIZE=$(stat -c %s "$NEW")
 
 LOOP="" DAEMON="" MNT=""
 cleanup() {
-	exec 9<&- 2>/dev/null || true
+	{ exec 9<&-; } 2>/dev/null || true
 	[ -n "$LOOP" ] && losetup -d "$LOOP" 2>/dev/null || true
 	LOOP=""
 	if [ -n "$DAEMON" ]; then kill -TERM "$DAEMON" 2>/dev/null || true; wait "$DAEMON" 2>/dev/null || true; fi
@@ -94,7 +99,7 @@ want() { [[ " $CONFIGS " == *" $1 "* ]]; }
 measure() { # CONFIG LOOPDEV FILES-TO-COUNT...
 	local cfg=$1 dev=$2
 	shift 2
-	R[$cfg.seq1]=- R[$cfg.seq8]=- R[$cfg.rnd1]=- R[$cfg.rnd32]=- R[$cfg.copies]=- R[$cfg.cache]=""
+	R[$cfg.seq1]=- R[$cfg.seq8]=- R[$cfg.rnd1]=- R[$cfg.rnd32]=-
 	has seq1 && R[$cfg.seq1]=$(fio_job "$dev" seq1 read 1M psync 1 --size="$SEQ_SIZE" | cut -d' ' -f1)
 	has seq8 && R[$cfg.seq8]=$(fio_job "$dev" seq8 read 1M io_uring 8 --size="$SEQ_SIZE" | cut -d' ' -f1)
 	has rnd1 && R[$cfg.rnd1]=$(fio_job "$dev" rnd1 randread 4k psync 1 --runtime="$RUNTIME" --time_based --randrepeat=0 | cut -d' ' -f2)
@@ -116,14 +121,14 @@ measure() { # CONFIG LOOPDEV FILES-TO-COUNT...
 }
 
 # (a) loop on the raw new image
-if want loop-raw; then
+run_loop_raw() {
 	LOOP=$(losetup --find --show --read-only --direct-io=on "$NEW")
 	measure loop-raw "$LOOP" "$NEW"
 	cleanup
-fi
+}
 
 # (b) vabc: FUSE export of base + COW, loop on top
-if want vabc; then
+run_vabc() {
 mkdir -p "$WORK/fuse"
 : >"$WORK/serve.log" # truncate now: the background job may start after the grep below
 "$VABC" serve --base "$OLD" --cow "$COW" --size "$SIZE" --fuse "$WORK/fuse" >"$WORK/serve.log" 2>&1 &
@@ -134,10 +139,10 @@ MNT=$WORK/fuse
 LOOP=$(losetup --find --show --read-only --direct-io=on "$WORK/fuse/disk.img")
 measure vabc "$LOOP" "$WORK/fuse/disk.img" "$OLD" "$COW"
 cleanup
-fi
+}
 
 # (b2) vabc over FUSE-over-io_uring
-if want vabc-uring; then
+run_vabc_uring() {
 echo Y >/sys/module/fuse/parameters/enable_uring
 mkdir -p "$WORK/fuse"
 : >"$WORK/serve-uring.log"
@@ -150,10 +155,10 @@ LOOP=$(losetup --find --show --read-only --direct-io=on "$WORK/fuse/disk.img")
 measure vabc-uring "$LOOP" "$WORK/fuse/disk.img" "$OLD" "$COW"
 cleanup
 grep -h "via the rings" "$WORK/serve-uring.log" || true
-fi
+}
 
 # (c) qemu-storage-daemon FUSE export of the raw new image, loop on top
-if want qsd; then
+run_qsd() {
 touch "$WORK/qsdfile"
 qemu-storage-daemon \
 	--blockdev driver=file,node-name=file0,filename="$NEW",cache.direct=on,aio=io_uring,read-only=on \
@@ -165,9 +170,41 @@ for _ in $(seq 100); do mountpoint -q "$WORK/qsdfile" && break; sleep 0.1; done
 LOOP=$(losetup --find --show --read-only --direct-io=on "$WORK/qsdfile")
 measure qsd "$LOOP" "$WORK/qsdfile" "$NEW"
 cleanup
-fi
+}
 
-ratio() { if [[ $1 =~ ^[0-9]+$ && $2 =~ ^[1-9][0-9]*$ ]]; then echo "scale=2; $1 / $2" | bc -l; else echo -; fi; }
+# Rounds: every config measured once per round, so that the disk's drift over
+# minutes hits all of them alike; the table shows each cell's median and the
+# ratios are given per round and as the median of those.
+ALLJOBS=$JOBS
+for c in $CONFIGS; do R[$c.copies]=- R[$c.cache]=""; done
+for round in $(seq "$ROUNDS"); do
+	# The page-cache count reads the whole device: once is enough.
+	if [ "$round" -gt 1 ]; then JOBS=${ALLJOBS//cache/}; fi
+	for c in $CONFIGS; do
+		"run_${c//-/_}"
+		for j in seq1 seq8 rnd1 rnd32; do R[$c.$j.$round]=${R[$c.$j]}; done
+	done
+done
+JOBS=$ALLJOBS
+median() { printf '%s\n' "$@" | { grep -E '^[0-9.]+$' || true; } | sort -n | awk '{v[NR]=$1} END {if (NR == 0) print "-"; else if (NR % 2) print v[(NR+1)/2]; else printf "%.0f\n", (v[NR/2]+v[NR/2+1])/2}'; }
+for c in $CONFIGS; do
+	for j in seq1 seq8 rnd1 rnd32; do
+		vals=()
+		for round in $(seq "$ROUNDS"); do vals+=("${R[$c.$j.$round]}"); done
+		R[$c.$j]=$(median "${vals[@]}")
+	done
+done
+
+ratio() { if [[ $1 =~ ^[0-9]+$ && $2 =~ ^[1-9][0-9]*$ ]]; then printf '%.2f' "$(echo "$1 / $2" | bc -l)"; else echo -; fi; }
+# CONFIG ANCHOR JOB: the ratio in each round, then their median.
+ratios() {
+	local r out="" vals=()
+	for r in $(seq "$ROUNDS"); do
+		vals+=("$(ratio "${R[$1.$3.$r]}" "${R[$2.$3.$r]}")")
+	done
+	[ "$ROUNDS" -gt 1 ] && out=" (rounds: ${vals[*]})"
+	echo "$(printf '%s\n' "${vals[@]}" | { grep -E '^[0-9.]+$' || true; } | sort -n | awk '{v[NR]=$1} END {if (NR == 0) print "-"; else if (NR % 2) print v[(NR+1)/2]; else printf "%.2f\n", (v[NR/2]+v[NR/2+1])/2}')$out"
+}
 echo
 echo "pair $PAIR: new.ext4.img $((SIZE / 1048576)) MiB, COW $(($(stat -c %s "$COW") / 1048576)) MiB ($CODEC); $(nproc) CPUs, load $(cut -d' ' -f1 /proc/loadavg)"
 echo
@@ -178,11 +215,10 @@ for c in loop-raw vabc vabc-uring qsd; do
 	echo "| $c | ${R[$c.seq1]} | ${R[$c.seq8]} | ${R[$c.rnd1]} | ${R[$c.rnd32]} | ${R[$c.copies]} (${R[$c.cache]% }) |"
 done
 echo
-echo "vabc / loop-raw, seq 1M QD1: $(ratio "${R[vabc.seq1]}" "${R[loop-raw.seq1]}")  QD8: $(ratio "${R[vabc.seq8]}" "${R[loop-raw.seq8]}")   (target >= 0.8)"
-echo "vabc / qsd, rand 4K QD32: $(ratio "${R[vabc.rnd32]}" "${R[qsd.rnd32]}")   QD1: $(ratio "${R[vabc.rnd1]}" "${R[qsd.rnd1]}")   (target >= 1.5)"
-if want vabc-uring; then
-	echo "vabc-uring / loop-raw, seq 1M QD1: $(ratio "${R[vabc-uring.seq1]}" "${R[loop-raw.seq1]}")  QD8: $(ratio "${R[vabc-uring.seq8]}" "${R[loop-raw.seq8]}")   (target >= 0.8)"
-	echo "vabc-uring / qsd, rand 4K QD32: $(ratio "${R[vabc-uring.rnd32]}" "${R[qsd.rnd32]}")   QD1: $(ratio "${R[vabc-uring.rnd1]}" "${R[qsd.rnd1]}")   (target >= 1.5)"
-fi
+for c in vabc vabc-uring; do
+	want "$c" || continue
+	echo "$c / loop-raw, seq 1M QD1: $(ratios "$c" loop-raw seq1)  QD8: $(ratios "$c" loop-raw seq8)   (target >= 0.8)"
+	echo "$c / qsd, rand 4K QD32: $(ratios "$c" qsd rnd32)   QD1: $(ratios "$c" qsd rnd1)   (target >= 1.5)"
+done
 echo
-echo "reproduce: sudo CODEC=$CODEC RUNTIME=$RUNTIME SEQ_SIZE=$SEQ_SIZE CONFIGS=\"$CONFIGS\" JOBS=\"$JOBS\" bench/serve.sh $PAIR"
+echo "reproduce: sudo CODEC=$CODEC RUNTIME=$RUNTIME SEQ_SIZE=$SEQ_SIZE ROUNDS=$ROUNDS CONFIGS=\"$CONFIGS\" JOBS=\"$JOBS\" bench/serve.sh $PAIR"
