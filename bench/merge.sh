@@ -20,7 +20,8 @@
 # writes and syncs (the rest is CPU). After the table, per pair, the request
 # floor: the uring merge's reads and writes at the IOPS fio reaches with
 # random transfers of their mean size at QD32 (a merge of scattered blocks is
-# bound by its request count on a disk whose IOPS saturate).
+# bound by its request count on a disk whose IOPS saturate). "CPU steal": the
+# share of CPU time the hypervisor gave to other guests during the run.
 #
 # Usage: bench/merge.sh [-p "medium system"] [-c CORPUS_DIR] [-w WORKDIR]
 # Needs (Debian): fio; the corpus is built with ../shared/corpus/make-corpus.sh.
@@ -35,7 +36,7 @@ while getopts "p:c:w:" opt; do
 	p) PAIRS=$OPTARG ;;
 	c) CORPUS=$OPTARG ;;
 	w) WORK=$OPTARG ;;
-	*) sed -n '2,25p' "$0" >&2; exit 2 ;;
+	*) sed -n '2,27p' "$0" >&2; exit 2 ;;
 	esac
 done
 command -v fio >/dev/null || { echo "missing fio (apt-get install fio)" >&2; exit 1; }
@@ -43,6 +44,10 @@ command -v fio >/dev/null || { echo "missing fio (apt-get install fio)" >&2; exi
 VABC=${CARGO_TARGET_DIR:-$ROOT/target}/release/vabc
 mkdir -p "$WORK"
 drop() { sync; if [ -w /proc/sys/vm/drop_caches ]; then echo 3 >/proc/sys/vm/drop_caches; fi; }
+# CPU time the hypervisor gave to other guests (/proc/stat `steal`) and all
+# CPU time, in ticks: a run during which the host took much of our CPUs
+# measures its neighbours too.
+cpu_ticks() { awk '/^cpu /{print $9, $2+$3+$4+$5+$6+$7+$8+$9}' /proc/stat; }
 now() { date +%s.%N; }
 
 # Sequential bandwidth of this filesystem, bytes/s.
@@ -62,8 +67,8 @@ FSYNC_S=$(fio --name=fs --filename="$WORK/fsync.dat" --size=8M --bs=4k --rw=rand
 	python3 -c "import json,sys; j=json.load(sys.stdin)['jobs'][0]; print(j['sync']['lat_ns']['mean'] / 1e9 + j['write']['lat_ns']['mean'] / 1e9)")
 rm -f "$WORK/fsync.dat"
 
-echo "| pair | engine | ops | seconds | waits read/write/sync s | syscalls | fsyncs | MB read | MB written (incl. scratch) | device limit s | vs limit | protocol floor s | vs floor | speedup vs sync |"
-echo "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+echo "| pair | engine | ops | seconds | waits read/write/sync s | syscalls | fsyncs | MB read | MB written (incl. scratch) | device limit s | vs limit | protocol floor s | vs floor | speedup vs sync | CPU steal |"
+echo "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 notes=()
 for pair in $PAIRS; do
 	[ -e "$CORPUS/$pair/old.ext4.img" ] || bash "$SHARED/corpus/make-corpus.sh" -p "$pair" -o "$CORPUS" >&2
@@ -77,9 +82,11 @@ for pair in $PAIRS; do
 		*) args=(--engine "$engine") ;;
 		esac
 		drop
+		c0=$(cpu_ticks)
 		t0=$(now)
 		"$VABC" merge --base "$WORK/base.img" --cow "$WORK/merge.cow" "${args[@]}" --json >"$WORK/report.json"
 		t1=$(now)
+		steal=$(echo "$c0 $(cpu_ticks)" | awk '{d = $4 - $2; printf "%.0f", d > 0 ? 100 * ($3 - $1) / d : 0}')
 		cmp "$WORK/base.img" "$CORPUS/$pair/new.ext4.img" || { echo "MISMATCH $pair $engine" >&2; exit 1; }
 		read -r ops sc fs br bw waits nreq < <(python3 -c "import json; r=json.load(open('$WORK/report.json')); print(r['total_ops'], r['syscalls'], r['fsyncs'], r['bytes_read'], r['bytes_written'], '%.2f/%.2f/%.2f' % (r['read_wait_seconds'], r['write_wait_seconds'], r['sync_wait_seconds']), r['reads'] + r['writes'])")
 		secs=$(echo "$t1 - $t0" | bc -l)
@@ -98,9 +105,9 @@ for pair in $PAIRS; do
 		else
 			fcol="- | -"
 		fi
-		printf '| %s | %s | %d | %.2f | %s | %d | %d | %.1f | %.1f | %.2f | %.2fx | %s | %.2fx |\n' "$pair" "$engine" "$ops" "$secs" "$waits" "$sc" "$fs" \
+		printf '| %s | %s | %d | %.2f | %s | %d | %d | %.1f | %.1f | %.2f | %.2fx | %s | %.2fx | %d%% |\n' "$pair" "$engine" "$ops" "$secs" "$waits" "$sc" "$fs" \
 			"$(echo "$br / 1048576" | bc -l)" "$(echo "$bw / 1048576" | bc -l)" "$limit" "$(echo "$secs / $limit" | bc -l)" \
-			"$fcol" "$(echo "$sync_s / $secs" | bc -l)"
+			"$fcol" "$(echo "$sync_s / $secs" | bc -l)" "$steal"
 	done
 	# The request floor: the uring merge's transfers (reads and writes, as
 	# the engine issued them) at the rate fio reaches with random reads and

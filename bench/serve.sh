@@ -15,7 +15,10 @@
 # Targets (issue 4): rand 4K QD32 >= 1.5x qsd; seq 1M >= 0.8x loop-raw.
 # ROUNDS (default 3) repeats every config in turn; the table shows medians, the ratios
 # are given per round and as their median (this disk's speed drifts by tens of percent
-# from minute to minute, so one round says little).
+# from minute to minute, so one round says little). Each fio job also records the CPU
+# time the hypervisor stole (/proc/stat); a round where it exceeded STEAL_MAX percent
+# (default 5) for either side of a ratio is marked: on a shared host those rounds
+# measure the neighbours.
 #
 # Needs root, fio, qemu-storage-daemon (qemu-system-common), python3.
 # Usage: bench/serve.sh [PAIR]        (default system; RUNTIME=8 seconds per random job,
@@ -84,13 +87,20 @@ libc.munmap(addr, size)
 PY
 }
 
+# CPU time the hypervisor gave to other guests (the `steal` column of
+# /proc/stat) and all CPU time, in ticks.
+cpu_ticks() { awk '/^cpu /{print $9, $2+$3+$4+$5+$6+$7+$8+$9}' /proc/stat; }
+# Prints MiB/s, IOPS and the percentage of CPU time stolen during the job.
 fio_job() { # TARGET NAME RW BS ENGINE DEPTH [extra...]
-	local t=$1 name=$2 rw=$3 bs=$4 eng=$5 qd=$6
+	local t=$1 name=$2 rw=$3 bs=$4 eng=$5 qd=$6 s0 s1 res
 	shift 6
 	drop
-	fio --name="$name" --filename="$t" --rw="$rw" --bs="$bs" --direct=1 --ioengine="$eng" \
+	s0=$(cpu_ticks)
+	res=$(fio --name="$name" --filename="$t" --rw="$rw" --bs="$bs" --direct=1 --ioengine="$eng" \
 		--iodepth="$qd" --output-format=json "$@" 2>/dev/null |
-		python3 -c 'import json,sys; j=json.load(sys.stdin)["jobs"][0]["read"]; print("%.0f %.0f" % (j["bw_bytes"]/2**20, j["iops"]))'
+		python3 -c 'import json,sys; j=json.load(sys.stdin)["jobs"][0]["read"]; print("%.0f %.0f" % (j["bw_bytes"]/2**20, j["iops"]))')
+	s1=$(cpu_ticks)
+	echo "$res $(echo "$s0 $s1" | awk '{d = $4 - $2; printf "%.0f", d > 0 ? 100 * ($3 - $1) / d : 0}')"
 }
 
 declare -A R
@@ -100,10 +110,24 @@ measure() { # CONFIG LOOPDEV FILES-TO-COUNT...
 	local cfg=$1 dev=$2
 	shift 2
 	R[$cfg.seq1]=- R[$cfg.seq8]=- R[$cfg.rnd1]=- R[$cfg.rnd32]=-
-	has seq1 && R[$cfg.seq1]=$(fio_job "$dev" seq1 read 1M psync 1 --size="$SEQ_SIZE" | cut -d' ' -f1)
-	has seq8 && R[$cfg.seq8]=$(fio_job "$dev" seq8 read 1M io_uring 8 --size="$SEQ_SIZE" | cut -d' ' -f1)
-	has rnd1 && R[$cfg.rnd1]=$(fio_job "$dev" rnd1 randread 4k psync 1 --runtime="$RUNTIME" --time_based --randrepeat=0 | cut -d' ' -f2)
-	has rnd32 && R[$cfg.rnd32]=$(fio_job "$dev" rnd32 randread 4k io_uring 32 --runtime="$RUNTIME" --time_based --randrepeat=0 | cut -d' ' -f2)
+	R[$cfg.seq1.st]=0 R[$cfg.seq8.st]=0 R[$cfg.rnd1.st]=0 R[$cfg.rnd32.st]=0
+	local out
+	if has seq1; then
+		out=$(fio_job "$dev" seq1 read 1M psync 1 --size="$SEQ_SIZE")
+		R[$cfg.seq1]=${out%% *} R[$cfg.seq1.st]=${out##* }
+	fi
+	if has seq8; then
+		out=$(fio_job "$dev" seq8 read 1M io_uring 8 --size="$SEQ_SIZE")
+		R[$cfg.seq8]=${out%% *} R[$cfg.seq8.st]=${out##* }
+	fi
+	if has rnd1; then
+		out=$(fio_job "$dev" rnd1 randread 4k psync 1 --runtime="$RUNTIME" --time_based --randrepeat=0)
+		R[$cfg.rnd1]=$(echo "$out" | cut -d' ' -f2) R[$cfg.rnd1.st]=${out##* }
+	fi
+	if has rnd32; then
+		out=$(fio_job "$dev" rnd32 randread 4k io_uring 32 --runtime="$RUNTIME" --time_based --randrepeat=0)
+		R[$cfg.rnd32]=$(echo "$out" | cut -d' ' -f2) R[$cfg.rnd32.st]=${out##* }
+	fi
 	has cache || return 0
 	# Whole device read once, buffered, device kept open so its cache survives.
 	drop
@@ -182,7 +206,7 @@ for round in $(seq "$ROUNDS"); do
 	if [ "$round" -gt 1 ]; then JOBS=${ALLJOBS//cache/}; fi
 	for c in $CONFIGS; do
 		"run_${c//-/_}"
-		for j in seq1 seq8 rnd1 rnd32; do R[$c.$j.$round]=${R[$c.$j]}; done
+		for j in seq1 seq8 rnd1 rnd32; do R[$c.$j.$round]=${R[$c.$j]} R[$c.$j.st.$round]=${R[$c.$j.st]}; done
 	done
 done
 JOBS=$ALLJOBS
@@ -196,13 +220,19 @@ for c in $CONFIGS; do
 done
 
 ratio() { if [[ $1 =~ ^[0-9]+$ && $2 =~ ^[1-9][0-9]*$ ]]; then printf '%.2f' "$(echo "$1 / $2" | bc -l)"; else echo -; fi; }
-# CONFIG ANCHOR JOB: the ratio in each round, then their median.
+# CONFIG ANCHOR JOB: the ratio in each round, then their median. A round in
+# which the hypervisor stole more than STEAL_MAX percent of the CPU time
+# during either job is marked with the larger of the two.
+STEAL_MAX=${STEAL_MAX:-5}
 ratios() {
-	local r out="" vals=()
+	local r st out="" vals=() shown=()
 	for r in $(seq "$ROUNDS"); do
 		vals+=("$(ratio "${R[$1.$3.$r]}" "${R[$2.$3.$r]}")")
+		st=$(( ${R[$1.$3.st.$r]:-0} > ${R[$2.$3.st.$r]:-0} ? ${R[$1.$3.st.$r]:-0} : ${R[$2.$3.st.$r]:-0} ))
+		if [ "$st" -gt "$STEAL_MAX" ] && [ "${vals[-1]}" != - ]; then shown+=("${vals[-1]}[steal ${st}%]"); else shown+=("${vals[-1]}"); fi
 	done
-	[ "$ROUNDS" -gt 1 ] && out=" (rounds: ${vals[*]})"
+	[ "$ROUNDS" -gt 1 ] && out=" (rounds: ${shown[*]})"
+	[ "$ROUNDS" -eq 1 ] && [ "${shown[0]}" != "${vals[0]}" ] && out=" ${shown[0]#"${vals[0]}"}"
 	echo "$(printf '%s\n' "${vals[@]}" | { grep -E '^[0-9.]+$' || true; } | sort -n | awk '{v[NR]=$1} END {if (NR == 0) print "-"; else if (NR % 2) print v[(NR+1)/2]; else printf "%.2f\n", (v[NR/2]+v[NR/2+1])/2}')$out"
 }
 echo
