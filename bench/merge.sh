@@ -86,7 +86,7 @@ for pair in $PAIRS; do
 		t0=$(now)
 		"$VABC" merge --base "$WORK/base.img" --cow "$WORK/merge.cow" "${args[@]}" --json >"$WORK/report.json"
 		t1=$(now)
-		steal=$(echo "$c0 $(cpu_ticks)" | awk '{d = $4 - $2; printf "%.0f", d > 0 ? 100 * ($3 - $1) / d : 0}')
+		steal=$(echo "$c0 $(cpu_ticks)" | awk '{d = $4 - $2; printf "%.0f", (d > 0 ? 100 * ($3 - $1) / d : 0)}')
 		cmp "$WORK/base.img" "$CORPUS/$pair/new.ext4.img" || { echo "MISMATCH $pair $engine" >&2; exit 1; }
 		read -r ops sc fs br bw waits nreq < <(python3 -c "import json; r=json.load(open('$WORK/report.json')); print(r['total_ops'], r['syscalls'], r['fsyncs'], r['bytes_read'], r['bytes_written'], '%.2f/%.2f/%.2f' % (r['read_wait_seconds'], r['write_wait_seconds'], r['sync_wait_seconds']), r['reads'] + r['writes'])")
 		secs=$(echo "$t1 - $t0" | bc -l)

@@ -100,7 +100,7 @@ fio_job() { # TARGET NAME RW BS ENGINE DEPTH [extra...]
 		--iodepth="$qd" --output-format=json "$@" 2>/dev/null |
 		python3 -c 'import json,sys; j=json.load(sys.stdin)["jobs"][0]["read"]; print("%.0f %.0f" % (j["bw_bytes"]/2**20, j["iops"]))')
 	s1=$(cpu_ticks)
-	echo "$res $(echo "$s0 $s1" | awk '{d = $4 - $2; printf "%.0f", d > 0 ? 100 * ($3 - $1) / d : 0}')"
+	echo "$res $(echo "$s0 $s1" | awk '{d = $4 - $2; printf "%.0f", (d > 0 ? 100 * ($3 - $1) / d : 0)}')"
 }
 
 declare -A R
