@@ -104,6 +104,15 @@ fio_job() { # TARGET NAME RW BS ENGINE DEPTH [extra...]
 }
 
 declare -A R
+# Inside `measure`: run job NAME if wanted and keep FIELD of its result (1:
+# MiB/s, 2: IOPS) and its steal in R[$cfg.NAME] and R[$cfg.NAME.st].
+job() { # NAME FIELD RW BS ENGINE DEPTH [extra...]
+	local name=$1 field=$2 out
+	shift 2
+	has "$name" || return 0
+	out=$(fio_job "$dev" "$name" "$@")
+	R[$cfg.$name]=$(echo "$out" | cut -d' ' -f"$field") R[$cfg.$name.st]=${out##* }
+}
 has() { [[ " $JOBS " == *" $1 "* ]]; }
 want() { [[ " $CONFIGS " == *" $1 "* ]]; }
 measure() { # CONFIG LOOPDEV FILES-TO-COUNT...
@@ -111,23 +120,10 @@ measure() { # CONFIG LOOPDEV FILES-TO-COUNT...
 	shift 2
 	R[$cfg.seq1]=- R[$cfg.seq8]=- R[$cfg.rnd1]=- R[$cfg.rnd32]=-
 	R[$cfg.seq1.st]=0 R[$cfg.seq8.st]=0 R[$cfg.rnd1.st]=0 R[$cfg.rnd32.st]=0
-	local out
-	if has seq1; then
-		out=$(fio_job "$dev" seq1 read 1M psync 1 --size="$SEQ_SIZE")
-		R[$cfg.seq1]=${out%% *} R[$cfg.seq1.st]=${out##* }
-	fi
-	if has seq8; then
-		out=$(fio_job "$dev" seq8 read 1M io_uring 8 --size="$SEQ_SIZE")
-		R[$cfg.seq8]=${out%% *} R[$cfg.seq8.st]=${out##* }
-	fi
-	if has rnd1; then
-		out=$(fio_job "$dev" rnd1 randread 4k psync 1 --runtime="$RUNTIME" --time_based --randrepeat=0)
-		R[$cfg.rnd1]=$(echo "$out" | cut -d' ' -f2) R[$cfg.rnd1.st]=${out##* }
-	fi
-	if has rnd32; then
-		out=$(fio_job "$dev" rnd32 randread 4k io_uring 32 --runtime="$RUNTIME" --time_based --randrepeat=0)
-		R[$cfg.rnd32]=$(echo "$out" | cut -d' ' -f2) R[$cfg.rnd32.st]=${out##* }
-	fi
+	job seq1 1 read 1M psync 1 --size="$SEQ_SIZE"
+	job seq8 1 read 1M io_uring 8 --size="$SEQ_SIZE"
+	job rnd1 2 randread 4k psync 1 --runtime="$RUNTIME" --time_based --randrepeat=0
+	job rnd32 2 randread 4k io_uring 32 --runtime="$RUNTIME" --time_based --randrepeat=0
 	has cache || return 0
 	# Whole device read once, buffered, device kept open so its cache survives.
 	drop
@@ -210,12 +206,18 @@ for round in $(seq "$ROUNDS"); do
 	done
 done
 JOBS=$ALLJOBS
-median() { printf '%s\n' "$@" | { grep -E '^[0-9.]+$' || true; } | sort -n | awk '{v[NR]=$1} END {if (NR == 0) print "-"; else if (NR % 2) print v[(NR+1)/2]; else printf "%.0f\n", (v[NR/2]+v[NR/2+1])/2}'; }
+# The median of the numeric arguments ("-" if none), printed with FORMAT.
+median() { # FORMAT VALUES...
+	local fmt=$1
+	shift
+	printf '%s\n' "$@" | { grep -E '^[0-9.]+$' || true; } | sort -n |
+		awk -v f="$fmt" '{v[NR]=$1} END {if (NR == 0) print "-"; else printf f "\n", (NR % 2) ? v[(NR+1)/2] : (v[NR/2]+v[NR/2+1])/2}'
+}
 for c in $CONFIGS; do
 	for j in seq1 seq8 rnd1 rnd32; do
 		vals=()
 		for round in $(seq "$ROUNDS"); do vals+=("${R[$c.$j.$round]}"); done
-		R[$c.$j]=$(median "${vals[@]}")
+		R[$c.$j]=$(median %.0f "${vals[@]}")
 	done
 done
 
@@ -231,9 +233,8 @@ ratios() {
 		st=$(( ${R[$1.$3.st.$r]:-0} > ${R[$2.$3.st.$r]:-0} ? ${R[$1.$3.st.$r]:-0} : ${R[$2.$3.st.$r]:-0} ))
 		if [ "$st" -gt "$STEAL_MAX" ] && [ "${vals[-1]}" != - ]; then shown+=("${vals[-1]}[steal ${st}%]"); else shown+=("${vals[-1]}"); fi
 	done
-	[ "$ROUNDS" -gt 1 ] && out=" (rounds: ${shown[*]})"
-	[ "$ROUNDS" -eq 1 ] && [ "${shown[0]}" != "${vals[0]}" ] && out=" ${shown[0]#"${vals[0]}"}"
-	echo "$(printf '%s\n' "${vals[@]}" | { grep -E '^[0-9.]+$' || true; } | sort -n | awk '{v[NR]=$1} END {if (NR == 0) print "-"; else if (NR % 2) print v[(NR+1)/2]; else printf "%.2f\n", (v[NR/2]+v[NR/2+1])/2}')$out"
+	if [ "$ROUNDS" -gt 1 ] || [ "${shown[*]}" != "${vals[*]}" ]; then out=" (rounds: ${shown[*]})"; fi
+	echo "$(median %.2f "${vals[@]}")$out"
 }
 echo
 echo "pair $PAIR: new.ext4.img $((SIZE / 1048576)) MiB, COW $(($(stat -c %s "$COW") / 1048576)) MiB ($CODEC); $(nproc) CPUs, load $(cut -d' ' -f1 /proc/loadavg)"
