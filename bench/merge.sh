@@ -115,7 +115,9 @@ for pair in $PAIRS; do
 	# A merge of scattered blocks is bound by this, not by the sequential
 	# bandwidth of the device limit.
 	read -r nreq br bw secs <<<"$uring_stat"
+	[ "$nreq" -gt 0 ] || continue # nothing to merge: no floor
 	bs=$(((br + bw) / nreq / 4096 * 4096))
+	bs=$((bs > 0 ? bs : 4096))
 	fio --name=prep --filename="$WORK/fio.dat" --size=1G --bs=1M --rw=write --end_fsync=1 >/dev/null 2>&1
 	iops=$(fio --name=rr --filename="$WORK/fio.dat" --size=1G --bs="$bs" --direct=1 --ioengine=io_uring --iodepth=32 \
 		--rw=randrw --runtime=4 --time_based --output-format=json 2>/dev/null |
@@ -125,7 +127,7 @@ for pair in $PAIRS; do
 		"$pair" "$nreq" "$(((br + bw) / nreq / 1024))" "$((bs / 1024))" "$iops" "$(echo "$nreq / $iops" | bc -l)" "$secs" "$(echo "$secs * $iops / $nreq" | bc -l)")")
 done
 printf '\n'
-printf -- '- %s\n' "${notes[@]}"
+if [ ${#notes[@]} -gt 0 ]; then printf -- '- %s\n' "${notes[@]}"; fi
 printf '\nfio on this filesystem: read %.0f MB/s, write %.0f MB/s (1 MiB, O_DIRECT), 4 KiB O_DIRECT write + fdatasync %.2f ms\n' \
 	"$(echo "$READ_BW / 1048576" | bc -l)" "$(echo "$WRITE_BW / 1048576" | bc -l)" "$(echo "$FSYNC_S * 1000" | bc -l)"
 echo "command: bench/merge.sh -p \"$PAIRS\"   ($(nproc) cores, $(uname -sr), load $(cut -d' ' -f1-3 /proc/loadavg))"
