@@ -51,9 +51,10 @@
 //! ([`write::XOR_MAX_ZSTD_LEVEL`]): levels above cost 30% of the diff's
 //! CPU time for 0.15%. The writer cuts each REPLACE run into the largest
 //! power-of-two units that fit, so 128 KiB units appear only in runs of
-//! 32+ blocks (new files, read sequentially at boot): 1.3% smaller than 64 KiB, and random 4 KiB O_DIRECT reads of
-//! the image served from each COW ran at the same speed (8.6k / 10.6k IOPS
-//! at QD1 for 64 KiB, 8.8k / 11.1k for 128 KiB, alternating runs). 256 KiB
+//! 32+ blocks (new files, read sequentially at boot): 1.3% smaller than
+//! 64 KiB, and random 4 KiB O_DIRECT reads of the image served from each
+//! COW ran at the same speed (8.6k / 10.6k IOPS at QD1 for 64 KiB, 8.8k /
+//! 11.1k for 128 KiB, alternating runs). 256 KiB
 //! saves about 1% more but doubles again what a read inside a long run
 //! decodes. For speed use `--compression zstd:3` (1.14× the bytes, ~7×
 //! faster); for Android's configuration `--compression lz4
@@ -84,8 +85,8 @@
 //! candidate that XORs well, mostly recompiled `.so` code), XOR 13.6 MB
 //! (58 162 blocks, 0.23 KB each), and the fixed costs of the format: the
 //! 2 MiB merge scratch area (kept: it is what makes the merge crash-safe)
-//! and 16 B per op (2.0 MB). v3 COWs carry no sequence data (the ops are written in
-//! merge order instead, see [`mod@write`]). What still separates the COW
+//! and 16 B per op (2.0 MB). v3 COWs carry no sequence data (the ops are
+//! written in merge order instead, see [`mod@write`]). What still separates the COW
 //! from a stream delta is compression context: the format compresses each
 //! op on its own (XOR payloads 4 KiB each, REPLACE units ≤ 256 KiB), where
 //! `zstd -19 --long` compresses all REPLACE data as one stream to 18.9 MB.
