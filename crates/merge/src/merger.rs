@@ -32,6 +32,11 @@
 //! ops (up to the scratch capacity) when that run is long enough to pay for
 //! its two syncs, else an ordinary scratch window. Merge orders that keep
 //! moved regions together (`vabc diff`'s) make most windows direct.
+//!
+//! **Early REPLACE/ZERO writes.** A REPLACE/ZERO block that no op still to
+//! be merged reads goes out with an ordered window whose destination runs it
+//! joins, rather than as a request of its own in the REPLACE phase (the
+//! rules that keep this crash-safe are in `early`).
 
 use std::collections::VecDeque;
 use std::path::PathBuf;
@@ -48,7 +53,9 @@ use crate::io::{Dev, IoStats, MergeIo};
 use crate::status::MergeStatus;
 use engine::{AlignedBuf, DIRECT_ALIGN};
 
+mod early;
 mod prepare;
+use early::EarlyPlan;
 use prepare::{Job, Prepared};
 
 /// `read_ahead_state` values (`snapuserd_kernel.h`).
@@ -90,6 +97,10 @@ pub struct MergeOptions {
     /// runs while the ordered windows wait for the disk, instead of after.
     /// Bounds the memory held: up to this many × 8 MiB.
     pub replace_ahead: usize,
+    /// Most REPLACE/ZERO blocks written with one ordered window, where they
+    /// join its destination runs (see `early`); 0 writes them all in the
+    /// REPLACE phase, as AOSP does.
+    pub early_blocks: usize,
 }
 
 impl Default for MergeOptions {
@@ -103,6 +114,7 @@ impl Default for MergeOptions {
             direct_min_ops: 128,
             direct_max_ops: 1024,
             replace_ahead: 16,
+            early_blocks: 1024,
         }
     }
 }
@@ -121,6 +133,8 @@ pub struct MergeReport {
     pub windows: u64,
     /// Windows written without the scratch copy (included in `windows`).
     pub direct_windows: u64,
+    /// REPLACE/ZERO blocks written with the ordered windows.
+    pub early_blocks: u64,
     pub commits: u64,
     pub io: IoStats,
 }
@@ -128,6 +142,26 @@ pub struct MergeReport {
 impl MergeReport {
     pub fn complete(&self) -> bool {
         self.merged == self.total_ops
+    }
+}
+
+/// What a window writes to the base: its ops' blocks, in op order, and the
+/// REPLACE/ZERO blocks written early with it (see `early`): (block, op)
+/// pairs in block order and their data, a block each.
+#[derive(Clone, Copy)]
+struct WindowData<'b> {
+    blocks: &'b [u8],
+    early: &'b [(u64, usize)],
+    early_data: &'b [u8],
+}
+
+impl<'b> WindowData<'b> {
+    fn plain(blocks: &'b [u8]) -> Self {
+        WindowData {
+            blocks,
+            early: &[],
+            early_data: &[],
+        }
     }
 }
 
@@ -345,9 +379,15 @@ impl<'a> Merge<'a> {
         if let Some(s) = &self.status {
             s.set_merged(pos as usize);
         }
+        // A published window to replay first has its own boundaries; such a
+        // run (rare: a crash inside a window) writes nothing early.
+        let replay = state == STATE_DONE && (pos as usize) < self.ordered;
+        let plan = self.plan_early(if replay { self.ordered } else { pos as usize });
+        report.early_blocks = plan.blocks() as u64;
         // One registered, page-aligned allocation (so that an engine can
         // move it with O_DIRECT) holds: the window being merged; its blocks
-        // in destination order (see `write_destinations`); and the staging
+        // in destination order with the REPLACE/ZERO blocks written early
+        // (see `write_destinations`); and the staging
         // area the next window's sources are read into while this one is
         // written (see `start_sources`). XOR payloads are decoded by a
         // worker thread (see `prepare`).
@@ -360,7 +400,8 @@ impl<'a> Merge<'a> {
             .min(self.ordered)
             .max(1)
             * BLOCK_SIZE;
-        let mut arena = AlignedBuf::new(4 * cap);
+        let early_cap = plan.max_window() * BLOCK_SIZE;
+        let mut arena = AlignedBuf::new(4 * cap + early_cap);
         // Registering only saves the kernel a page lookup per transfer; where
         // it is refused (an unprivileged user's RLIMIT_MEMLOCK), plain
         // transfers do the same job.
@@ -368,14 +409,15 @@ impl<'a> Merge<'a> {
             io.unregister();
         }
         let (window, rest) = arena.split_at_mut(cap);
-        let (sorted, staging) = rest.split_at_mut(cap);
+        let (sorted, staging) = rest.split_at_mut(cap + early_cap);
         let staging = staging.as_mut_ptr();
         // The decoder's reads, and the time spent waiting for it.
         let mut decoder = IoStats::default();
         let result = std::thread::scope(|scope| -> Result<()> {
             let (job_tx, job_rx) = mpsc::channel::<Job>();
             let (done_tx, done_rx) = mpsc::channel::<Result<Prepared>>();
-            scope.spawn(move || prepare::serve(self, job_rx, done_tx));
+            let plan = &plan;
+            scope.spawn(move || prepare::serve(self, plan, job_rx, done_tx));
             // The REPLACE/ZERO worker: batches from the first REPLACE/ZERO
             // op not merged yet, in order. It stops when the receiver is
             // dropped (this closure returns), so a run that ends early
@@ -387,8 +429,10 @@ impl<'a> Merge<'a> {
                 scope.spawn(move || {
                     let mut at = first_replace;
                     while at < total {
-                        let (end, _) = self.replace_batch(at);
-                        let r = self.prepare(Job::Replace { pos: at }).map(|p| (at, end, p));
+                        let (end, _) = self.replace_batch(at, plan);
+                        let r = self
+                            .prepare(Job::Replace { pos: at }, plan)
+                            .map(|p| (at, end, p));
                         let failed = r.is_err();
                         if replace_tx.send(r).is_err() || failed {
                             break;
@@ -437,7 +481,7 @@ impl<'a> Merge<'a> {
                         .as_ref()
                         .is_some_and(|f| f.load(Ordering::Relaxed))
             };
-            if state == STATE_DONE && (pos as usize) < self.ordered {
+            if replay {
                 let n = self.replay_window(io, pos as usize, &mut window[..cap], sorted)?;
                 if n > 0 {
                     pos += n as u64;
@@ -489,11 +533,16 @@ impl<'a> Merge<'a> {
                     // for them on every other path before it is dropped.
                     pending = Some(unsafe { self.start_sources(io, next, m, staging)? });
                 }
+                let data = WindowData {
+                    blocks: cur,
+                    early: plan.window(at),
+                    early_data: &xors.early,
+                };
                 if direct {
-                    self.write_destinations(io, at, n, cur, sorted)?;
+                    self.write_destinations(io, at, n, data, sorted)?;
                     report.direct_windows += 1;
                 } else {
-                    self.merge_window(io, at, n, cur, &mut head, sorted)?;
+                    self.merge_window(io, at, n, data, &mut head, sorted)?;
                 }
                 pos += n as u64;
                 self.commit(io, &mut head, pos)?;
@@ -524,7 +573,7 @@ impl<'a> Merge<'a> {
                         )),
                     ));
                 }
-                self.write_replace_batch(io, at, end, &batch.data)?;
+                self.write_replace_batch(io, at, end, &batch.data, plan)?;
                 pos = end as u64;
                 self.commit(io, &mut head, pos)?;
                 commits += 1;
@@ -674,10 +723,11 @@ impl<'a> Merge<'a> {
         io: &mut dyn MergeIo,
         pos: usize,
         n: usize,
-        buf: &[u8],
+        data: WindowData<'_>,
         head: &mut [u8],
         sorted: &mut [u8],
     ) -> Result<()> {
+        let buf = data.blocks;
         // Publish: metadata + data, sync, then the state byte, sync. The
         // first write rewrites the header page with the state byte it
         // already holds, so a torn write cannot publish anything.
@@ -689,9 +739,9 @@ impl<'a> Merge<'a> {
             at += META_ENTRY;
         }
         head[at..at + META_ENTRY].fill(0);
-        let data = self.data_off as usize;
-        head[data..data + n * BLOCK_SIZE].copy_from_slice(&buf[..n * BLOCK_SIZE]);
-        let end = (data + n * BLOCK_SIZE)
+        let slot = self.data_off as usize;
+        head[slot..slot + n * BLOCK_SIZE].copy_from_slice(&buf[..n * BLOCK_SIZE]);
+        let end = (slot + n * BLOCK_SIZE)
             .next_multiple_of(DIRECT_ALIGN)
             .min(head.len());
         io.write_and_sync(Dev::Cow, &[(0, &head[..end])])
@@ -699,7 +749,7 @@ impl<'a> Merge<'a> {
         head[self.header_size] = STATE_DONE;
         io.write_and_sync(Dev::Cow, &[(0, self.header_page(head))])
             .map_err(|e| self.cow_io("write state", self.header_size as u64, e))?;
-        self.write_destinations(io, pos, n, buf, sorted)
+        self.write_destinations(io, pos, n, data, sorted)
     }
 
     /// The first page of the mirrored COW start (or all of it, if shorter).
@@ -740,7 +790,7 @@ impl<'a> Merge<'a> {
     ) -> Result<usize> {
         let n = self.read_scratch(io, pos, buf)?;
         if n > 0 {
-            self.write_destinations(io, pos, n, buf, sorted)?;
+            self.write_destinations(io, pos, n, WindowData::plain(buf), sorted)?;
         }
         Ok(n)
     }
@@ -787,41 +837,56 @@ impl<'a> Merge<'a> {
         Ok(n)
     }
 
-    /// Write a window's blocks to their destinations, then sync. The merge
-    /// order often walks a shifted run of blocks backwards (a block moving
-    /// up must be written after the one above it), so the blocks are put in
-    /// ascending destination order first (into `sorted`): neighbours then
-    /// form one large write instead of hundreds of 4 KiB ones. The order of
-    /// writes inside a window does not matter, since they are all made
-    /// durable together before the window is committed.
+    /// Write a window's blocks to their destinations, with the REPLACE/ZERO
+    /// blocks the plan puts there, then sync. The merge order often walks a
+    /// shifted run of blocks backwards (a block moving up must be written
+    /// after the one above it), so the blocks are put in ascending
+    /// destination order first (into `sorted`): neighbours then form one
+    /// large write instead of hundreds of 4 KiB ones. The order of writes
+    /// inside a window does not matter, since they are all made durable
+    /// together before the window is committed.
     fn write_destinations(
         &self,
         io: &mut dyn MergeIo,
         pos: usize,
         n: usize,
-        buf: &[u8],
+        data: WindowData<'_>,
         sorted: &mut [u8],
     ) -> Result<()> {
+        let buf = data.blocks;
         let ops = &self.order[pos..pos + n];
         if let Some(s) = &self.status {
             // Readers of this window switch to the in-memory copy; the call
             // waits for reads of its sources still in flight.
             s.begin_window(pos, ops.iter().map(|o| o.new_block), &buf[..n * BLOCK_SIZE]);
         }
-        let mut by_dest: Vec<usize> = (0..n).collect();
-        by_dest.sort_unstable_by_key(|&i| ops[i].new_block);
-        let data: &[u8] = if by_dest.iter().enumerate().all(|(k, &i)| k == i) {
+        let WindowData {
+            early, early_data, ..
+        } = data;
+        // (block, source slice), the window's ops then the early blocks.
+        let mut blocks: Vec<(u64, &[u8])> = ops
+            .iter()
+            .enumerate()
+            .map(|(i, op)| (op.new_block, &buf[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE]))
+            .chain(
+                early
+                    .iter()
+                    .zip(early_data.chunks_exact(BLOCK_SIZE))
+                    .map(|(&(b, _), d)| (b, d)),
+            )
+            .collect();
+        let total = blocks.len();
+        let data: &[u8] = if early.is_empty() && blocks.is_sorted_by_key(|b| b.0) {
             &buf[..n * BLOCK_SIZE]
         } else {
-            for (k, &i) in by_dest.iter().enumerate() {
-                sorted[k * BLOCK_SIZE..(k + 1) * BLOCK_SIZE]
-                    .copy_from_slice(&buf[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE]);
+            blocks.sort_unstable_by_key(|b| b.0);
+            for (k, (_, d)) in blocks.iter().enumerate() {
+                sorted[k * BLOCK_SIZE..(k + 1) * BLOCK_SIZE].copy_from_slice(d);
             }
-            &sorted[..n * BLOCK_SIZE]
+            &sorted[..total * BLOCK_SIZE]
         };
         let mut runs: Vec<(u64, usize, usize)> = Vec::new(); // (block, first slot, count)
-        for (k, &i) in by_dest.iter().enumerate() {
-            let block = ops[i].new_block;
+        for (k, &(block, _)) in blocks.iter().enumerate() {
             match runs.last_mut() {
                 Some((b, _, c))
                     if *b + *c as u64 == block && (*c as u64) < self.opts.run_blocks =>
@@ -846,34 +911,41 @@ impl<'a> Merge<'a> {
     }
 
     /// The REPLACE/ZERO batch starting at `pos`: up to `commit_ops` ops
-    /// and 8 MiB of new data. Returns (end, bytes).
-    fn replace_batch(&self, pos: usize) -> (usize, usize) {
+    /// and 8 MiB of new data to write, plus the ops among them that `plan`
+    /// wrote early. Returns (end, bytes to write).
+    fn replace_batch(&self, pos: usize, plan: &EarlyPlan) -> (usize, usize) {
         const MAX_BYTES: usize = 8 << 20;
-        let mut end = pos;
-        let mut bytes = 0;
-        while end < self.order.len() && end - pos < self.opts.commit_ops {
-            let sz = self.order[end].unit_size();
-            if end > pos && bytes + sz > MAX_BYTES {
-                break;
+        let (mut end, mut ops, mut bytes) = (pos, 0, 0);
+        while end < self.order.len() && ops < self.opts.commit_ops {
+            if !plan.done(end) {
+                let sz = self.order[end].unit_size();
+                if ops > 0 && bytes + sz > MAX_BYTES {
+                    break;
+                }
+                bytes += sz;
+                ops += 1;
             }
-            bytes += sz;
             end += 1;
         }
         (end, bytes)
     }
 
-    /// Write the decoded batch order[pos..end] (`data`, see `prepare`), in
-    /// runs of consecutive blocks, then sync.
+    /// Write the decoded batch order[pos..end] (`data`, see `prepare`: the
+    /// ops not written early), in runs of consecutive blocks, then sync.
     fn write_replace_batch(
         &self,
         io: &mut dyn MergeIo,
         pos: usize,
         end: usize,
         data: &[u8],
+        plan: &EarlyPlan,
     ) -> Result<()> {
         let mut runs: Vec<(u64, usize, usize)> = Vec::new(); // (block, byte start, len)
         let mut at = 0;
-        for op in &self.order[pos..end] {
+        for (i, op) in self.order.iter().enumerate().take(end).skip(pos) {
+            if plan.done(i) {
+                continue;
+            }
             let len = op.unit_size();
             match runs.last_mut() {
                 Some((b, s, l))
@@ -886,6 +958,10 @@ impl<'a> Merge<'a> {
                 _ => runs.push((op.new_block, at, len)),
             }
             at += len;
+        }
+        if runs.is_empty() {
+            // Everything was written (and synced) with the ordered windows.
+            return Ok(());
         }
         let reqs: Vec<(u64, &[u8])> = runs
             .iter()

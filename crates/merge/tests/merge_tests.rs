@@ -194,9 +194,18 @@ fn direct_io_merge_is_exact() {
 }
 
 /// Merge through a simulated disk that dies at event `k`, then check the
-/// snapshot view on what survived and resume to the end.
+/// snapshot view on what survived and resume to the end; once with
+/// REPLACE/ZERO blocks written early with the ordered windows (a few per
+/// window, so that the REPLACE phase still writes), once without.
 #[test]
 fn crash_at_every_write_and_sync_then_resume() {
+    let with = crash_everywhere(8);
+    assert!(with.early_blocks > 0, "{with:?}");
+    let without = crash_everywhere(0);
+    assert_eq!(without.early_blocks, 0);
+}
+
+fn crash_everywhere(early_blocks: usize) -> merge::MergeReport {
     let dir = tempfile::tempdir().unwrap();
     let cow_path = dir.path().join("u.cow");
     let (old, new) = make_update(&cow_path, 256, 2, Codec::Zstd);
@@ -206,6 +215,7 @@ fn crash_at_every_write_and_sync_then_resume() {
         window_ops: 7,
         commit_ops: 5,
         direct_max_ops: 7,
+        early_blocks,
         ..Default::default()
     };
     let r = CowReader::open(&cow_path).unwrap();
@@ -294,8 +304,11 @@ fn crash_at_every_write_and_sync_then_resume() {
             points += 1;
         }
     }
-    eprintln!("{points} crash points over {events} events: {phases:?}");
+    eprintln!(
+        "early blocks {early_blocks}: {points} crash points over {events} events: {phases:?}"
+    );
     assert!(points >= 200, "only {points} crash points");
+    rep
 }
 
 /// A merge interrupted inside a direct window resumes under AOSP's rules:
@@ -315,10 +328,12 @@ fn direct_window_crash_resumes_with_aosp_windows() {
         direct_max_ops: 9,
         ..Default::default()
     };
+    // snapuserd writes every REPLACE/ZERO block in its REPLACE phase.
     let aosp = MergeOptions {
         window_ops: 5,
         commit_ops: 3,
         direct_windows: false,
+        early_blocks: 0,
         ..Default::default()
     };
     let (events, trace) = dry_run(&cow_path, &old, opts);

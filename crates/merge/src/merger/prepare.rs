@@ -11,14 +11,15 @@ use std::sync::mpsc::{Receiver, Sender};
 use cow::format::BLOCK_SIZE;
 use cow::{Op, OpKind};
 
-use super::Merge;
+use super::{EarlyPlan, Merge};
 use crate::error::{MergeError, Result};
 use engine::AlignedBuf;
 
 /// Work for the decoder, in the order the merge needs it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Job {
-    /// The XOR payloads of the window order[pos..pos + n].
+    /// The XOR payloads of the window order[pos..pos + n], and the
+    /// REPLACE/ZERO blocks written early with it.
     Xor { pos: usize, n: usize },
     /// The REPLACE/ZERO batch starting at `pos` (see `Merge::replace_batch`).
     Replace { pos: usize },
@@ -27,8 +28,11 @@ pub(super) enum Job {
 /// A finished job.
 pub(super) struct Prepared {
     /// Xor: one decoded 4 KiB block per XOR op of the window, in op order.
-    /// Replace: the batch's new data, every unit at its place.
+    /// Replace: the new data of the batch's ops not written early, one unit
+    /// after the other.
     pub data: AlignedBuf,
+    /// Xor: the blocks the plan writes early with the window, in its order.
+    pub early: AlignedBuf,
     /// Reads the decoder issued and bytes it read (for the report).
     pub reads: u64,
     pub bytes: u64,
@@ -36,16 +40,21 @@ pub(super) struct Prepared {
 
 /// The worker loop: answers jobs in order until the sender hangs up or the
 /// receiver is gone.
-pub(super) fn serve(m: &Merge<'_>, jobs: Receiver<Job>, done: Sender<Result<Prepared>>) {
+pub(super) fn serve(
+    m: &Merge<'_>,
+    plan: &EarlyPlan,
+    jobs: Receiver<Job>,
+    done: Sender<Result<Prepared>>,
+) {
     for job in jobs {
-        if done.send(m.prepare(job)).is_err() {
+        if done.send(m.prepare(job, plan)).is_err() {
             break;
         }
     }
 }
 
 impl Merge<'_> {
-    pub(super) fn prepare(&self, job: Job) -> Result<Prepared> {
+    pub(super) fn prepare(&self, job: Job, plan: &EarlyPlan) -> Result<Prepared> {
         match job {
             Job::Xor { pos, n } => {
                 let xors: Vec<&Op> = self.order[pos..pos + n]
@@ -62,16 +71,25 @@ impl Merge<'_> {
                         &mut data[k * BLOCK_SIZE..(k + 1) * BLOCK_SIZE],
                     )?;
                 }
+                let (early, early_reads, early_bytes) = self.decode_early(plan.window(pos))?;
                 Ok(Prepared {
                     data,
-                    reads,
-                    bytes: stored.len() as u64,
+                    early,
+                    reads: reads + early_reads,
+                    bytes: (stored.len() + early_bytes) as u64,
                 })
             }
             Job::Replace { pos } => {
-                let (end, bytes) = self.replace_batch(pos);
-                let ops = &self.order[pos..end];
-                let replaces: Vec<&Op> = ops.iter().filter(|o| o.kind == OpKind::Replace).collect();
+                let (end, bytes) = self.replace_batch(pos, plan);
+                let ops: Vec<&Op> = (pos..end)
+                    .filter(|&i| !plan.done(i))
+                    .map(|i| &self.order[i])
+                    .collect();
+                let replaces: Vec<&Op> = ops
+                    .iter()
+                    .copied()
+                    .filter(|o| o.kind == OpKind::Replace)
+                    .collect();
                 let (stored, stored_at, reads) = self.read_payloads(&replaces)?;
                 let mut data = AlignedBuf::new(bytes);
                 let (mut k, mut at) = (0, 0);
@@ -99,11 +117,59 @@ impl Merge<'_> {
                 }
                 Ok(Prepared {
                     data,
+                    early: AlignedBuf::new(0),
                     reads,
                     bytes: stored.len() as u64,
                 })
             }
         }
+    }
+
+    /// The data of the blocks written early with a window (see `early`):
+    /// each REPLACE unit decoded once, ZERO blocks zero. Returns the data,
+    /// the reads issued and the bytes read.
+    fn decode_early(&self, blocks: &[(u64, usize)]) -> Result<(AlignedBuf, u64, usize)> {
+        let mut data = AlignedBuf::new(blocks.len() * BLOCK_SIZE);
+        if blocks.is_empty() {
+            return Ok((data, 0, 0));
+        }
+        let mut units: Vec<usize> = blocks
+            .iter()
+            .map(|&(_, i)| i)
+            .filter(|&i| self.order[i].kind == OpKind::Replace)
+            .collect();
+        units.sort_unstable();
+        units.dedup();
+        let ops: Vec<&Op> = units.iter().map(|&i| &self.order[i]).collect();
+        let (stored, at, reads) = self.read_payloads(&ops)?;
+        let mut unit = vec![0u8; ops.iter().map(|o| o.unit_size()).max().unwrap_or(0)];
+        let mut decoded: Option<usize> = None;
+        for (k, &(block, i)) in blocks.iter().enumerate() {
+            let op = &self.order[i];
+            let out = &mut data[k * BLOCK_SIZE..(k + 1) * BLOCK_SIZE];
+            if op.kind != OpKind::Replace {
+                out.fill(0);
+                continue;
+            }
+            // `blocks` is in block order, so a unit's blocks come together.
+            if decoded != Some(i) {
+                let u = units.binary_search(&i).map_err(|_| MergeError::Corrupt {
+                    path: self.cow_path.clone(),
+                    offset: op.data_offset,
+                    msg: format!(
+                        "REPLACE op for block {} missing from its batch",
+                        op.new_block
+                    ),
+                })?;
+                let s = &stored[at[u]..at[u] + op.data_length as usize];
+                self.cow
+                    .decode_payload(op, s, &mut unit[..op.unit_size()])?;
+                decoded = Some(i);
+            }
+            let off = (block - op.new_block) as usize * BLOCK_SIZE;
+            out.copy_from_slice(&unit[off..off + BLOCK_SIZE]);
+        }
+        Ok((data, reads, stored.len()))
     }
 
     /// Read the stored payloads of `ops` in file order (the merge order is

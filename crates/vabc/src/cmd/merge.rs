@@ -44,6 +44,12 @@ pub struct Args {
     /// survive a crash) with half the writes and syncs.
     #[arg(long)]
     always_scratch: bool,
+    /// Write every REPLACE/ZERO block after the ordered ops, as AOSP's
+    /// snapuserd does. By default a REPLACE/ZERO block that no op still
+    /// reads is written with an ordered window whose destination runs it
+    /// joins: fewer, longer writes.
+    #[arg(long)]
+    no_early_writes: bool,
     /// Print a JSON report (ops, time, syscalls, fsyncs).
     #[arg(long)]
     json: bool,
@@ -75,6 +81,11 @@ pub fn run(a: Args) -> Result<ExitCode> {
         window_ops: a.window_ops,
         max_commits: a.max_commits,
         direct_windows: !a.always_scratch,
+        early_blocks: if a.no_early_writes {
+            0
+        } else {
+            MergeOptions::default().early_blocks
+        },
         ..Default::default()
     };
     // Validates the merge order and sizes before anything is written.
@@ -115,6 +126,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
             "replayed_window": report.replayed_window,
             "windows": report.windows,
             "direct_windows": report.direct_windows,
+            "early_blocks": report.early_blocks,
             "commits": report.commits,
             "seconds": secs,
             "syscalls": report.io.syscalls,
