@@ -22,6 +22,11 @@
 # random transfers of their mean size at QD32 (a merge of scattered blocks is
 # bound by its request count on a disk whose IOPS saturate). "CPU steal": the
 # share of CPU time the hypervisor gave to other guests during the run.
+# Rounds (ROUNDS, default 3): this virtual disk's speed drifts by tens of
+# percent from minute to minute, so each round measures fio's bandwidth
+# again right before its merges and gives the ratio to its own limit; the
+# summary is the median of the rounds' ratios. The sync baseline (12-22 s)
+# runs in the first round only.
 #
 # Usage: bench/merge.sh [-p "medium system"] [-c CORPUS_DIR] [-w WORKDIR]
 # Needs (Debian): fio; the corpus is built with ../shared/corpus/make-corpus.sh.
@@ -31,12 +36,13 @@ SHARED=${SHARED:-$ROOT/../shared}
 CORPUS=/tmp/corpus
 PAIRS="medium system"
 WORK=${TMPDIR:-/tmp}/vabc-bench-merge
+ROUNDS=${ROUNDS:-3}
 while getopts "p:c:w:" opt; do
 	case $opt in
 	p) PAIRS=$OPTARG ;;
 	c) CORPUS=$OPTARG ;;
 	w) WORK=$OPTARG ;;
-	*) sed -n '2,27p' "$0" >&2; exit 2 ;;
+	*) sed -n '2,33p' "$0" >&2; exit 2 ;;
 	esac
 done
 command -v fio >/dev/null || { echo "missing fio (apt-get install fio)" >&2; exit 1; }
@@ -56,10 +62,15 @@ fio_bw() {
 		--rw="$1" --end_fsync=1 --output-format=json 2>/dev/null |
 		python3 -c "import json,sys; j=json.load(sys.stdin)['jobs'][0]; print(int(j['$1']['bw_bytes']))"
 }
-fio --name=prep --filename="$WORK/fio.dat" --size=1G --bs=1M --rw=write --end_fsync=1 >/dev/null 2>&1
-READ_BW=$(fio_bw read)
-WRITE_BW=$(fio_bw write)
-rm -f "$WORK/fio.dat"
+measure_bw() {
+	fio --name=prep --filename="$WORK/fio.dat" --size=1G --bs=1M --rw=write --end_fsync=1 >/dev/null 2>&1
+	READ_BW=$(fio_bw read)
+	WRITE_BW=$(fio_bw write)
+	rm -f "$WORK/fio.dat"
+	BWS+=("$(printf '%.0f/%.0f' "$(echo "$READ_BW / 1048576" | bc -l)" "$(echo "$WRITE_BW / 1048576" | bc -l)")")
+}
+BWS=()
+median() { sort -g | awk '{v[NR] = $1} END {if (NR == 0) print "-"; else if (NR % 2) print v[(NR + 1) / 2]; else print (v[NR / 2] + v[NR / 2 + 1]) / 2}'; }
 # Latency of one 4 KiB write + fdatasync: the price of each durability step
 # of the crash protocol (4 per scratch window, 2 per REPLACE/ZERO commit).
 FSYNC_S=$(fio --name=fs --filename="$WORK/fsync.dat" --size=8M --bs=4k --rw=randwrite --ioengine=psync --direct=1 \
@@ -67,48 +78,62 @@ FSYNC_S=$(fio --name=fs --filename="$WORK/fsync.dat" --size=8M --bs=4k --rw=rand
 	python3 -c "import json,sys; j=json.load(sys.stdin)['jobs'][0]; print(j['sync']['lat_ns']['mean'] / 1e9 + j['write']['lat_ns']['mean'] / 1e9)")
 rm -f "$WORK/fsync.dat"
 
-echo "| pair | engine | ops | seconds | waits read/write/sync s | syscalls | fsyncs | MB read | MB written (incl. scratch) | device limit s | vs limit | protocol floor s | vs floor | speedup vs sync | CPU steal |"
-echo "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+echo "| pair | round | engine | ops | seconds | waits read/write/sync s | syscalls | fsyncs | MB read | MB written (incl. scratch) | device limit s | vs limit | protocol floor s | vs floor | speedup vs sync | CPU steal |"
+echo "|---|---:|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 notes=()
+summary=()
 for pair in $PAIRS; do
 	[ -e "$CORPUS/$pair/old.ext4.img" ] || bash "$SHARED/corpus/make-corpus.sh" -p "$pair" -o "$CORPUS" >&2
 	"$VABC" diff "$CORPUS/$pair/old.ext4.img" "$CORPUS/$pair/new.ext4.img" -o "$WORK/$pair.cow" >/dev/null
+	# The limit: read every COPY/XOR source once, write every destination once.
+	read -r src dst < <("$VABC" inspect --json "$WORK/$pair.cow" | python3 -c "import json,sys; v=json.load(sys.stdin); b=v['blocks_by_type']; print((b.get('COPY',0)+b.get('XOR',0))*4096, v['blocks_covered']*4096)")
 	sync_s=
-	for engine in sync uring-buffered uring; do
-		cp --sparse=never "$CORPUS/$pair/old.ext4.img" "$WORK/base.img"
-		cp --sparse=never "$WORK/$pair.cow" "$WORK/merge.cow"
-		case $engine in
-		uring-buffered) args=(--engine uring --buffered) ;;
-		*) args=(--engine "$engine") ;;
-		esac
-		drop
-		c0=$(cpu_ticks)
-		t0=$(now)
-		"$VABC" merge --base "$WORK/base.img" --cow "$WORK/merge.cow" "${args[@]}" --json >"$WORK/report.json"
-		t1=$(now)
-		steal=$(echo "$c0 $(cpu_ticks)" | awk '{d = $4 - $2; printf "%.0f", (d > 0 ? 100 * ($3 - $1) / d : 0)}')
-		cmp "$WORK/base.img" "$CORPUS/$pair/new.ext4.img" || { echo "MISMATCH $pair $engine" >&2; exit 1; }
-		read -r ops sc fs br bw waits nreq < <(python3 -c "import json; r=json.load(open('$WORK/report.json')); print(r['total_ops'], r['syscalls'], r['fsyncs'], r['bytes_read'], r['bytes_written'], '%.2f/%.2f/%.2f' % (r['read_wait_seconds'], r['write_wait_seconds'], r['sync_wait_seconds']), r['reads'] + r['writes'])")
-		secs=$(echo "$t1 - $t0" | bc -l)
-		# The limit: read every COPY/XOR source once, write every destination once.
-		read -r src dst < <("$VABC" inspect --json "$WORK/$pair.cow" | python3 -c "import json,sys; v=json.load(sys.stdin); b=v['blocks_by_type']; print((b.get('COPY',0)+b.get('XOR',0))*4096, v['blocks_covered']*4096)")
-		limit=$(echo "$src / $READ_BW + $dst / $WRITE_BW" | bc -l)
-		# The floor of this protocol: the limit plus one write+fdatasync
-		# latency per sync the engine needed (each is a serial step).
-		# (Only for uring: the sync baseline's per-block fdatasyncs of one
-		# file cost far less each than this measured one.)
-		floor=$(echo "$limit + $fs * $FSYNC_S" | bc -l)
-		[ "$engine" = sync ] && sync_s=$secs
-		[ "$engine" = uring ] && uring_stat="$nreq $br $bw $secs"
-		if [ "$engine" != sync ]; then
-			fcol=$(printf '%.2f | %.2fx' "$floor" "$(echo "$secs / $floor" | bc -l)")
-		else
-			fcol="- | -"
-		fi
-		printf '| %s | %s | %d | %.2f | %s | %d | %d | %.1f | %.1f | %.2f | %.2fx | %s | %.2fx | %d%% |\n' "$pair" "$engine" "$ops" "$secs" "$waits" "$sc" "$fs" \
-			"$(echo "$br / 1048576" | bc -l)" "$(echo "$bw / 1048576" | bc -l)" "$limit" "$(echo "$secs / $limit" | bc -l)" \
-			"$fcol" "$(echo "$sync_s / $secs" | bc -l)" "$steal"
+	vs_limit=() vs_sync=()
+	for round in $(seq "$ROUNDS"); do
+		measure_bw
+		engines="uring-buffered uring"
+		[ "$round" = 1 ] && engines="sync $engines"
+		for engine in $engines; do
+			cp --sparse=never "$CORPUS/$pair/old.ext4.img" "$WORK/base.img"
+			cp --sparse=never "$WORK/$pair.cow" "$WORK/merge.cow"
+			case $engine in
+			uring-buffered) args=(--engine uring --buffered) ;;
+			*) args=(--engine "$engine") ;;
+			esac
+			drop
+			c0=$(cpu_ticks)
+			t0=$(now)
+			"$VABC" merge --base "$WORK/base.img" --cow "$WORK/merge.cow" "${args[@]}" --json >"$WORK/report.json"
+			t1=$(now)
+			steal=$(echo "$c0 $(cpu_ticks)" | awk '{d = $4 - $2; printf "%.0f", (d > 0 ? 100 * ($3 - $1) / d : 0)}')
+			cmp "$WORK/base.img" "$CORPUS/$pair/new.ext4.img" || { echo "MISMATCH $pair $engine" >&2; exit 1; }
+			read -r ops sc fs br bw waits nreq < <(python3 -c "import json; r=json.load(open('$WORK/report.json')); print(r['total_ops'], r['syscalls'], r['fsyncs'], r['bytes_read'], r['bytes_written'], '%.2f/%.2f/%.2f' % (r['read_wait_seconds'], r['write_wait_seconds'], r['sync_wait_seconds']), r['reads'] + r['writes'])")
+			secs=$(echo "$t1 - $t0" | bc -l)
+			limit=$(echo "$src / $READ_BW + $dst / $WRITE_BW" | bc -l)
+			# The floor of this protocol: the limit plus one write+fdatasync
+			# latency per sync the engine needed (each is a serial step).
+			# (Only for uring: the sync baseline's per-block fdatasyncs of one
+			# file cost far less each than this measured one.)
+			floor=$(echo "$limit + $fs * $FSYNC_S" | bc -l)
+			[ "$engine" = sync ] && sync_s=$secs
+			if [ "$engine" = uring ]; then
+				uring_stat="$nreq $br $bw $secs"
+				vs_limit+=("$(echo "$secs / $limit" | bc -l)")
+				vs_sync+=("$(echo "$sync_s / $secs" | bc -l)")
+			fi
+			if [ "$engine" != sync ]; then
+				fcol=$(printf '%.2f | %.2fx' "$floor" "$(echo "$secs / $floor" | bc -l)")
+			else
+				fcol="- | -"
+			fi
+			printf '| %s | %d | %s | %d | %.2f | %s | %d | %d | %.1f | %.1f | %.2f | %.2fx | %s | %.2fx | %d%% |\n' "$pair" "$round" "$engine" "$ops" "$secs" "$waits" "$sc" "$fs" \
+				"$(echo "$br / 1048576" | bc -l)" "$(echo "$bw / 1048576" | bc -l)" "$limit" "$(echo "$secs / $limit" | bc -l)" \
+				"$fcol" "$(echo "$sync_s / $secs" | bc -l)" "$steal"
+		done
 	done
+	summary+=("$(printf '%s: uring vs device limit %.2fx (rounds: %s; target <= 1.5), uring vs sync %.2fx (rounds: %s; target >= 2)' "$pair" \
+		"$(printf '%s\n' "${vs_limit[@]}" | median)" "$(printf '%.2f ' "${vs_limit[@]}")" \
+		"$(printf '%s\n' "${vs_sync[@]}" | median)" "$(printf '%.2f ' "${vs_sync[@]}")")")
 	# The request floor: the uring merge's transfers (reads and writes, as
 	# the engine issued them) at the rate fio reaches with random reads and
 	# writes of their mean size at queue depth 32 on the same filesystem.
@@ -127,8 +152,9 @@ for pair in $PAIRS; do
 		"$pair" "$nreq" "$(((br + bw) / nreq / 1024))" "$((bs / 1024))" "$iops" "$(echo "$nreq / $iops" | bc -l)" "$secs" "$(echo "$secs * $iops / $nreq" | bc -l)")")
 done
 printf '\n'
+printf -- '- %s\n' "${summary[@]}"
 if [ ${#notes[@]} -gt 0 ]; then printf -- '- %s\n' "${notes[@]}"; fi
-printf '\nfio on this filesystem: read %.0f MB/s, write %.0f MB/s (1 MiB, O_DIRECT), 4 KiB O_DIRECT write + fdatasync %.2f ms\n' \
-	"$(echo "$READ_BW / 1048576" | bc -l)" "$(echo "$WRITE_BW / 1048576" | bc -l)" "$(echo "$FSYNC_S * 1000" | bc -l)"
-echo "command: bench/merge.sh -p \"$PAIRS\"   ($(nproc) cores, $(uname -sr), load $(cut -d' ' -f1-3 /proc/loadavg))"
+printf '\nfio on this filesystem, read/write MB/s per round (1 MiB, O_DIRECT): %s; 4 KiB O_DIRECT write + fdatasync %.2f ms\n' \
+	"${BWS[*]}" "$(echo "$FSYNC_S * 1000" | bc -l)"
+echo "command: ROUNDS=$ROUNDS bench/merge.sh -p \"$PAIRS\"   ($(nproc) cores, $(uname -sr), load $(cut -d' ' -f1-3 /proc/loadavg))"
 rm -f "$WORK/base.img" "$WORK/merge.cow"
