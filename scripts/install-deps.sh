@@ -4,11 +4,12 @@
 set -euo pipefail
 
 # System packages: compilers for the C codecs, filesystem tools for the
-# mount tests and the corpus, FUSE, NBD clients, veritysetup, fio.
+# mount tests and the corpus, FUSE, NBD clients, veritysetup, fio and
+# qemu-storage-daemon (the peer of bench/serve.sh).
 PKGS=(
 	build-essential pkg-config bc time
 	e2fsprogs erofs-utils util-linux mount fuse3
-	qemu-utils libnbd-bin
+	qemu-utils libnbd-bin qemu-system-common
 	cryptsetup-bin fio
 	xdelta3 zstd bsdiff xz-utils
 	python3 python3-pip python3-numpy
