@@ -18,7 +18,8 @@
 # from minute to minute, so one round says little). Each fio job also records the CPU
 # time the hypervisor stole (/proc/stat); a round where it exceeded STEAL_MAX percent
 # (default 5) for either side of a ratio is marked: on a shared host those rounds
-# measure the neighbours.
+# measure the neighbours, so the median of the other rounds is given too. EXTRA
+# (default 0) more rounds are run while fewer than ROUNDS were free of steal.
 #
 # Needs root, fio, qemu-storage-daemon (qemu-system-common), python3.
 # Usage: bench/serve.sh [PAIR]        (default system; RUNTIME=8 seconds per random job,
@@ -197,14 +198,27 @@ cleanup
 # ratios are given per round and as the median of those.
 ALLJOBS=$JOBS
 for c in $CONFIGS; do R[$c.copies]=- R[$c.cache]=""; done
-for round in $(seq "$ROUNDS"); do
+STEAL_MAX=${STEAL_MAX:-5}
+# Up to EXTRA more rounds are run while fewer than ROUNDS rounds were free of
+# steal (every job's steal at most STEAL_MAX percent).
+EXTRA=${EXTRA:-0}
+round=0 clean=0
+while [ "$clean" -lt "$ROUNDS" ] && [ "$round" -lt $((ROUNDS + EXTRA)) ]; do
+	round=$((round + 1))
 	# The page-cache count reads the whole device: once is enough.
 	if [ "$round" -gt 1 ]; then JOBS=${ALLJOBS//cache/}; fi
+	worst=0
 	for c in $CONFIGS; do
 		"run_${c//-/_}"
-		for j in seq1 seq8 rnd1 rnd32; do R[$c.$j.$round]=${R[$c.$j]} R[$c.$j.st.$round]=${R[$c.$j.st]}; done
+		for j in seq1 seq8 rnd1 rnd32; do
+			R[$c.$j.$round]=${R[$c.$j]} R[$c.$j.st.$round]=${R[$c.$j.st]}
+			st=${R[$c.$j.st]:-0}
+			worst=$((st > worst ? st : worst))
+		done
 	done
+	[ "$worst" -gt "$STEAL_MAX" ] || clean=$((clean + 1))
 done
+RAN=$round
 JOBS=$ALLJOBS
 # The median of the numeric arguments ("-" if none), printed with FORMAT.
 median() { # FORMAT VALUES...
@@ -216,7 +230,7 @@ median() { # FORMAT VALUES...
 for c in $CONFIGS; do
 	for j in seq1 seq8 rnd1 rnd32; do
 		vals=()
-		for round in $(seq "$ROUNDS"); do vals+=("${R[$c.$j.$round]}"); done
+		for round in $(seq "$RAN"); do vals+=("${R[$c.$j.$round]}"); done
 		R[$c.$j]=$(median %.0f "${vals[@]}")
 	done
 done
@@ -224,16 +238,21 @@ done
 ratio() { if [[ $1 =~ ^[0-9]+$ && $2 =~ ^[1-9][0-9]*$ ]]; then printf '%.2f' "$(echo "$1 / $2" | bc -l)"; else echo -; fi; }
 # CONFIG ANCHOR JOB: the ratio in each round, then their median. A round in
 # which the hypervisor stole more than STEAL_MAX percent of the CPU time
-# during either job is marked with the larger of the two.
-STEAL_MAX=${STEAL_MAX:-5}
+# during either job is marked with the larger of the two, and the median of
+# the other rounds follows.
 ratios() {
-	local r st out="" vals=() shown=()
-	for r in $(seq "$ROUNDS"); do
-		vals+=("$(ratio "${R[$1.$3.$r]}" "${R[$2.$3.$r]}")")
+	local r st out="" vals=() shown=() calm=()
+	for r in $(seq "$RAN"); do
+		vals+=("$(ratio "${R[$1.$3.$r]:-}" "${R[$2.$3.$r]:-}")")
 		st=$(( ${R[$1.$3.st.$r]:-0} > ${R[$2.$3.st.$r]:-0} ? ${R[$1.$3.st.$r]:-0} : ${R[$2.$3.st.$r]:-0} ))
-		if [ "$st" -gt "$STEAL_MAX" ] && [ "${vals[-1]}" != - ]; then shown+=("${vals[-1]}[steal ${st}%]"); else shown+=("${vals[-1]}"); fi
+		if [ "$st" -gt "$STEAL_MAX" ] && [ "${vals[-1]}" != - ]; then
+			shown+=("${vals[-1]}[steal ${st}%]")
+		else
+			shown+=("${vals[-1]}") calm+=("${vals[-1]}")
+		fi
 	done
-	if [ "$ROUNDS" -gt 1 ] || [ "${shown[*]}" != "${vals[*]}" ]; then out=" (rounds: ${shown[*]})"; fi
+	if [ "$RAN" -gt 1 ] || [ "${shown[*]}" != "${vals[*]}" ]; then out=" (rounds: ${shown[*]})"; fi
+	if [ "${#calm[@]}" -lt "${#vals[@]}" ]; then out+=", without steal $(median %.2f "${calm[@]}") (${#calm[@]} rounds)"; fi
 	echo "$(median %.2f "${vals[@]}")$out"
 }
 echo
@@ -252,4 +271,5 @@ for c in vabc vabc-uring; do
 	echo "$c / qsd, rand 4K QD32: $(ratios "$c" qsd rnd32)   QD1: $(ratios "$c" qsd rnd1)   (target >= 1.5)"
 done
 echo
-echo "reproduce: sudo CODEC=$CODEC RUNTIME=$RUNTIME SEQ_SIZE=$SEQ_SIZE ROUNDS=$ROUNDS CONFIGS=\"$CONFIGS\" JOBS=\"$JOBS\" bench/serve.sh $PAIR"
+echo "rounds: $RAN run, $clean without steal above $STEAL_MAX%"
+echo "reproduce: sudo CODEC=$CODEC RUNTIME=$RUNTIME SEQ_SIZE=$SEQ_SIZE ROUNDS=$ROUNDS EXTRA=$EXTRA CONFIGS=\"$CONFIGS\" JOBS=\"$JOBS\" bench/serve.sh $PAIR"
