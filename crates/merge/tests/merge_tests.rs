@@ -218,10 +218,7 @@ fn crash_everywhere(early_blocks: usize) -> merge::MergeReport {
         early_blocks,
         ..Default::default()
     };
-    let r = CowReader::open(&cow_path).unwrap();
-    let m = Merge::new(&r, old.len() as u64, PathBuf::from("base"), opts).unwrap();
-    let mut sim = SimDisk::new(old.clone(), cow_bytes.clone(), None);
-    let rep = m.run(&mut sim, &|_, _| {}).unwrap();
+    let (rep, sim) = fault_free(&cow_path, &old, opts);
     // Both kinds of window: the shifted chains overlap inside every window,
     // the XOR region never does.
     assert!(
@@ -234,7 +231,6 @@ fn crash_everywhere(early_blocks: usize) -> merge::MergeReport {
     );
     let events = sim.events();
     let trace = sim.trace.clone();
-    drop(m);
 
     // Which phase each event belongs to, to show every phase is hit.
     // The COW is written in whole pages from offset 0: a scratch save spans
@@ -358,10 +354,7 @@ fn early_writes_wait_for_their_readers() {
             direct_min_ops: 1,
             ..Default::default()
         };
-        let r = CowReader::open(&cow_path).unwrap();
-        let m = Merge::new(&r, old.len() as u64, PathBuf::from("base"), opts).unwrap();
-        let mut sim = SimDisk::new(old.clone(), cow_bytes.clone(), None);
-        let rep = m.run(&mut sim, &|_, _| {}).unwrap();
+        let (rep, sim) = fault_free(&cow_path, &old, opts);
         assert!(sim.after_crash(Crash::PowerLoss).0 == new);
         assert_eq!(rep.direct_windows, u64::from(direct), "{rep:?}");
         // Block 16's reader is in the window: only a scratch window lets

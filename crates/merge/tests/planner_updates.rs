@@ -8,13 +8,13 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use common::*;
-use cow::{Codec, Compression, CowReader};
+use cow::{Codec, Compression};
 use delta::write::{CowOptions, write_cow};
 use delta::{MemImage, NoProgress, PlanOptions};
-use merge::{Merge, MergeOptions};
+use merge::MergeOptions;
 
 const BLOCKS: usize = 96;
 
@@ -96,10 +96,7 @@ fn planner_updates_merge_and_resume_exactly() {
                 early_blocks,
                 ..Default::default()
             };
-            let r = CowReader::open(&cow_path).unwrap();
-            let m = Merge::new(&r, old.len() as u64, PathBuf::from("base"), opts).unwrap();
-            let mut sim = SimDisk::new(old.clone(), cow_bytes.clone(), None);
-            let rep = m.run(&mut sim, &|_, _| {}).unwrap();
+            let (rep, sim) = fault_free(&cow_path, &old, opts);
             assert!(
                 sim.after_crash(Crash::PowerLoss).0 == new,
                 "seed {seed}, early {early_blocks}: wrong image"

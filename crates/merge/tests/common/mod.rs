@@ -293,17 +293,28 @@ pub fn engine(e: Engine, base: &Path, cow: &Path) -> Box<dyn MergeIo> {
     }
 }
 
+/// A fault-free merge of the COW at `cow_path` into `old` on a simulated
+/// disk: its report, and the disk (its trace, its events, what it holds).
+pub fn fault_free(
+    cow_path: &Path,
+    old: &[u8],
+    opts: MergeOptions,
+) -> (merge::MergeReport, SimDisk) {
+    let cow_bytes = std::fs::read(cow_path).unwrap();
+    let r = CowReader::open(cow_path).unwrap();
+    let m = Merge::new(&r, old.len() as u64, PathBuf::from("base"), opts).unwrap();
+    let mut sim = SimDisk::new(old.to_vec(), cow_bytes, None);
+    let rep = m.run(&mut sim, &|_, _| {}).unwrap();
+    (rep, sim)
+}
+
 /// Event count of a fault-free simulated merge, and its trace.
 pub fn dry_run(
     cow_path: &Path,
     old: &[u8],
     opts: MergeOptions,
 ) -> (u64, Vec<(bool, Dev, u64, usize)>) {
-    let cow_bytes = std::fs::read(cow_path).unwrap();
-    let r = CowReader::open(cow_path).unwrap();
-    let m = Merge::new(&r, old.len() as u64, PathBuf::from("base"), opts).unwrap();
-    let mut sim = SimDisk::new(old.to_vec(), cow_bytes, None);
-    m.run(&mut sim, &|_, _| {}).unwrap();
+    let (_, sim) = fault_free(cow_path, old, opts);
     (sim.events(), sim.trace.clone())
 }
 
