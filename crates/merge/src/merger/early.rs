@@ -28,7 +28,12 @@
 //! phase counts its op merged, which returns the same bytes. The REPLACE
 //! phase then skips the ops whose blocks were all written early by this
 //! run; a later run (after a crash or a pause) does not know them and
-//! writes them again, which is harmless.
+//! writes them again, which is harmless. An op only partly written early
+//! (a multi-block unit cut by a window's reach: 232 ops and 1 875 blocks on
+//! the `system` pair) is decoded again and written whole in the REPLACE
+//! phase: its request is needed for the rest of it anyway, and splitting
+//! it around the early blocks would cost more requests than the 7 MB it
+//! rewrites.
 
 use std::collections::{HashMap, HashSet};
 

@@ -153,14 +153,8 @@ impl Merge<'_> {
             }
             // `blocks` is in block order, so a unit's blocks come together.
             if decoded != Some(i) {
-                let u = units.binary_search(&i).map_err(|_| MergeError::Corrupt {
-                    path: self.cow_path.clone(),
-                    offset: op.data_offset,
-                    msg: format!(
-                        "REPLACE op for block {} missing from its batch",
-                        op.new_block
-                    ),
-                })?;
+                // `units` holds every REPLACE op of `blocks`, sorted.
+                let u = units.partition_point(|&x| x < i);
                 let s = &stored[at[u]..at[u] + op.data_length as usize];
                 self.cow
                     .decode_payload(op, s, &mut unit[..op.unit_size()])?;
