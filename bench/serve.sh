@@ -13,7 +13,9 @@
 # Then one buffered read of the whole device and a mincore count of every cache layer
 # (loop device, FUSE file, files the daemon reads): "copies" = cached bytes / image size.
 # Targets (issue 4): rand 4K QD32 >= 1.5x qsd; seq 1M >= 0.8x loop-raw.
-# ROUNDS (default 3) repeats every config in turn; the table shows medians, the ratios
+# All stacks stay up for the whole run and each job runs on every config back to back
+# (forwards in odd rounds, backwards in even ones), so a ratio compares measurements
+# seconds apart. ROUNDS (default 3) repeats the jobs; the table shows medians, the ratios
 # are given per round and as their median (this disk's speed drifts by tens of percent
 # from minute to minute, so one round says little). Each fio job also records the CPU
 # time the hypervisor stole (/proc/stat); a round where it exceeded STEAL_MAX percent
@@ -50,15 +52,18 @@ COW=$WORK/$PAIR.${CODEC//:/-}.cow
 [ -f "$COW" ] && [ "$COW" -nt "$NEW" ] || "$VABC" diff --compression "$CODEC" "$OLD" "$NEW" -o "$COW" >/dev/null
 SIZE=$(stat -c %s "$NEW")
 
-LOOP="" DAEMON="" MNT=""
+# Every stack is set up once and stays up for the whole run, so that each job runs
+# on all configs back to back: a ratio compares measurements seconds apart, not
+# minutes (the host's load drifts between them).
+LOOPS=() DAEMONS=() MNTS=()
+declare -A DEV FILES
 cleanup() {
 	{ exec 9<&-; } 2>/dev/null || true
-	[ -n "$LOOP" ] && losetup -d "$LOOP" 2>/dev/null || true
-	LOOP=""
-	if [ -n "$DAEMON" ]; then kill -TERM "$DAEMON" 2>/dev/null || true; wait "$DAEMON" 2>/dev/null || true; fi
-	DAEMON=""
-	[ -n "$MNT" ] && mountpoint -q "$MNT" && umount "$MNT" 2>/dev/null || true
-	MNT=""
+	local x
+	for x in "${LOOPS[@]}"; do losetup -d "$x" 2>/dev/null || true; done
+	for x in "${DAEMONS[@]}"; do kill -TERM "$x" 2>/dev/null || true; wait "$x" 2>/dev/null || true; done
+	for x in "${MNTS[@]}"; do mountpoint -q "$x" && umount "$x" 2>/dev/null || true; done
+	LOOPS=() DAEMONS=() MNTS=()
 }
 trap cleanup EXIT
 
@@ -105,33 +110,28 @@ fio_job() { # TARGET NAME RW BS ENGINE DEPTH [extra...]
 }
 
 declare -A R
-# Inside `measure`: run job NAME if wanted and keep FIELD of its result (1:
-# MiB/s, 2: IOPS) and its steal in R[$cfg.NAME] and R[$cfg.NAME.st].
-job() { # NAME FIELD RW BS ENGINE DEPTH [extra...]
-	local name=$1 field=$2 out
-	shift 2
-	has "$name" || return 0
-	out=$(fio_job "$dev" "$name" "$@")
-	R[$cfg.$name]=$(echo "$out" | cut -d' ' -f"$field") R[$cfg.$name.st]=${out##* }
-}
 has() { [[ " $JOBS " == *" $1 "* ]]; }
 want() { [[ " $CONFIGS " == *" $1 "* ]]; }
-measure() { # CONFIG LOOPDEV FILES-TO-COUNT...
-	local cfg=$1 dev=$2
-	shift 2
-	R[$cfg.seq1]=- R[$cfg.seq8]=- R[$cfg.rnd1]=- R[$cfg.rnd32]=-
-	R[$cfg.seq1.st]=0 R[$cfg.seq8.st]=0 R[$cfg.rnd1.st]=0 R[$cfg.rnd32.st]=0
-	job seq1 1 read 1M psync 1 --size="$SEQ_SIZE"
-	job seq8 1 read 1M io_uring 8 --size="$SEQ_SIZE"
-	job rnd1 2 randread 4k psync 1 --runtime="$RUNTIME" --time_based --randrepeat=0
-	job rnd32 2 randread 4k io_uring 32 --runtime="$RUNTIME" --time_based --randrepeat=0
-	has cache || return 0
-	# Whole device read once, buffered, device kept open so its cache survives.
+# Runs job NAME on config CFG in round ROUND; keeps its figure (MiB/s for the
+# sequential jobs, IOPS for the random ones) and its steal.
+job() { # CFG NAME ROUND
+	local cfg=$1 name=$2 round=$3 out field=1 dev=${DEV[$1]}
+	case $name in
+	seq1) out=$(fio_job "$dev" "$name" read 1M psync 1 --size="$SEQ_SIZE") ;;
+	seq8) out=$(fio_job "$dev" "$name" read 1M io_uring 8 --size="$SEQ_SIZE") ;;
+	rnd1) out=$(fio_job "$dev" "$name" randread 4k psync 1 --runtime="$RUNTIME" --time_based --randrepeat=0) field=2 ;;
+	rnd32) out=$(fio_job "$dev" "$name" randread 4k io_uring 32 --runtime="$RUNTIME" --time_based --randrepeat=0) field=2 ;;
+	esac
+	R[$cfg.$name.$round]=$(echo "$out" | cut -d' ' -f"$field") R[$cfg.$name.st.$round]=${out##* }
+}
+# Page-cache copies: the whole device read once, buffered, device kept open so its
+# cache survives; then every layer counted.
+copies() { # CFG
+	local cfg=$1 dev=${DEV[$1]} layers="" total=0 f r
 	drop
 	exec 9<"$dev"
 	dd if="$dev" of=/dev/null bs=1M status=none
-	local layers="" total=0 f r
-	for f in "$dev" "$@"; do
+	for f in "$dev" ${FILES[$cfg]}; do
 		r=$(resident "$f")
 		layers+="$(basename "$f")=${r} "
 		[ "$r" != n/a ] && total=$((total + r))
@@ -140,86 +140,98 @@ measure() { # CONFIG LOOPDEV FILES-TO-COUNT...
 	R[$cfg.cache]=$layers
 	R[$cfg.copies]=$(echo "scale=2; $total / ($SIZE / 1048576)" | bc -l)
 }
+loop_on() { # CFG FILE: a read-only direct-I/O loop device on FILE is CFG's device
+	DEV[$1]=$(losetup --find --show --read-only --direct-io=on "$2")
+	LOOPS+=("${DEV[$1]}")
+}
+wait_ready() { # LOG
+	for _ in $(seq 100); do grep -q ready "$1" && return; sleep 0.1; done
+	cat "$1"
+	exit 1
+}
 
 # (a) loop on the raw new image
-run_loop_raw() {
-	LOOP=$(losetup --find --show --read-only --direct-io=on "$NEW")
-	measure loop-raw "$LOOP" "$NEW"
-	cleanup
+start_loop_raw() {
+	loop_on loop-raw "$NEW"
+	FILES[loop-raw]=$NEW
 }
 
 # (b) vabc: FUSE export of base + COW, loop on top
-run_vabc() {
-mkdir -p "$WORK/fuse"
-: >"$WORK/serve.log" # truncate now: the background job may start after the grep below
-"$VABC" serve --base "$OLD" --cow "$COW" --size "$SIZE" --fuse "$WORK/fuse" >"$WORK/serve.log" 2>&1 &
-DAEMON=$!
-for _ in $(seq 100); do grep -q ready "$WORK/serve.log" && break; sleep 0.1; done
-grep -q ready "$WORK/serve.log" || { cat "$WORK/serve.log"; exit 1; }
-MNT=$WORK/fuse
-LOOP=$(losetup --find --show --read-only --direct-io=on "$WORK/fuse/disk.img")
-measure vabc "$LOOP" "$WORK/fuse/disk.img" "$OLD" "$COW"
-cleanup
+start_vabc() {
+	mkdir -p "$WORK/fuse"
+	: >"$WORK/serve.log" # truncate now: the background job may start after the grep below
+	"$VABC" serve --base "$OLD" --cow "$COW" --size "$SIZE" --fuse "$WORK/fuse" >"$WORK/serve.log" 2>&1 &
+	DAEMONS+=($!) MNTS+=("$WORK/fuse")
+	wait_ready "$WORK/serve.log"
+	loop_on vabc "$WORK/fuse/disk.img"
+	FILES[vabc]="$WORK/fuse/disk.img $OLD $COW"
 }
 
-# (b2) vabc over FUSE-over-io_uring
-run_vabc_uring() {
-echo Y >/sys/module/fuse/parameters/enable_uring
-mkdir -p "$WORK/fuse"
-: >"$WORK/serve-uring.log"
-"$VABC" serve --base "$OLD" --cow "$COW" --size "$SIZE" --fuse "$WORK/fuse" --fuse-uring >"$WORK/serve-uring.log" 2>&1 &
-DAEMON=$!
-for _ in $(seq 100); do grep -q ready "$WORK/serve-uring.log" && break; sleep 0.1; done
-grep -q ready "$WORK/serve-uring.log" || { cat "$WORK/serve-uring.log"; exit 1; }
-MNT=$WORK/fuse
-LOOP=$(losetup --find --show --read-only --direct-io=on "$WORK/fuse/disk.img")
-measure vabc-uring "$LOOP" "$WORK/fuse/disk.img" "$OLD" "$COW"
-cleanup
-grep -h "via the rings" "$WORK/serve-uring.log" || true
+# (b2) vabc over FUSE-over-io_uring (the switch is per connection: the classic
+# export above does not negotiate it)
+start_vabc_uring() {
+	echo Y >/sys/module/fuse/parameters/enable_uring
+	mkdir -p "$WORK/fuse-uring"
+	: >"$WORK/serve-uring.log"
+	"$VABC" serve --base "$OLD" --cow "$COW" --size "$SIZE" --fuse "$WORK/fuse-uring" --fuse-uring >"$WORK/serve-uring.log" 2>&1 &
+	DAEMONS+=($!) MNTS+=("$WORK/fuse-uring")
+	wait_ready "$WORK/serve-uring.log"
+	loop_on vabc-uring "$WORK/fuse-uring/disk.img"
+	FILES[vabc-uring]="$WORK/fuse-uring/disk.img $OLD $COW"
 }
 
 # (c) qemu-storage-daemon FUSE export of the raw new image, loop on top
-run_qsd() {
-touch "$WORK/qsdfile"
-qemu-storage-daemon \
-	--blockdev driver=file,node-name=file0,filename="$NEW",cache.direct=on,aio=io_uring,read-only=on \
-	--blockdev driver=raw,node-name=fmt0,file=file0,read-only=on \
-	--export type=fuse,id=exp0,node-name=fmt0,mountpoint="$WORK/qsdfile",writable=off &
-DAEMON=$!
-MNT=$WORK/qsdfile
-for _ in $(seq 100); do mountpoint -q "$WORK/qsdfile" && break; sleep 0.1; done
-LOOP=$(losetup --find --show --read-only --direct-io=on "$WORK/qsdfile")
-measure qsd "$LOOP" "$WORK/qsdfile" "$NEW"
-cleanup
+start_qsd() {
+	touch "$WORK/qsdfile"
+	qemu-storage-daemon \
+		--blockdev driver=file,node-name=file0,filename="$NEW",cache.direct=on,aio=io_uring,read-only=on \
+		--blockdev driver=raw,node-name=fmt0,file=file0,read-only=on \
+		--export type=fuse,id=exp0,node-name=fmt0,mountpoint="$WORK/qsdfile",writable=off &
+	DAEMONS+=($!) MNTS+=("$WORK/qsdfile")
+	for _ in $(seq 100); do mountpoint -q "$WORK/qsdfile" && break; sleep 0.1; done
+	loop_on qsd "$WORK/qsdfile"
+	FILES[qsd]=$NEW
 }
 
-# Rounds: every config measured once per round, so that the disk's drift over
-# minutes hits all of them alike; the table shows each cell's median and the
-# ratios are given per round and as the median of those.
-ALLJOBS=$JOBS
-for c in $CONFIGS; do R[$c.copies]=- R[$c.cache]=""; done
+for c in $CONFIGS; do
+	R[$c.copies]=- R[$c.cache]=""
+	"start_${c//-/_}"
+done
+
+# Rounds: each job runs on every config back to back, in turn forwards and
+# backwards (so a drift during the job's sequence hits both sides of a ratio
+# alike); the table shows each cell's median and the ratios are given per round
+# and as the median of those.
 STEAL_MAX=${STEAL_MAX:-5}
 # Up to EXTRA more rounds are run while fewer than ROUNDS rounds were free of
 # steal (every job's steal at most STEAL_MAX percent).
 EXTRA=${EXTRA:-0}
+FORWARD=$CONFIGS
+BACKWARD=$(printf '%s\n' $CONFIGS | tac | tr '\n' ' ')
 round=0 clean=0
 while [ "$clean" -lt "$ROUNDS" ] && [ "$round" -lt $((ROUNDS + EXTRA)) ]; do
 	round=$((round + 1))
-	# The page-cache count reads the whole device: once is enough.
-	if [ "$round" -gt 1 ]; then JOBS=${ALLJOBS//cache/}; fi
+	order=$FORWARD
+	[ $((round % 2)) = 0 ] && order=$BACKWARD
 	worst=0
-	for c in $CONFIGS; do
-		"run_${c//-/_}"
-		for j in seq1 seq8 rnd1 rnd32; do
-			R[$c.$j.$round]=${R[$c.$j]} R[$c.$j.st.$round]=${R[$c.$j.st]}
-			st=${R[$c.$j.st]:-0}
+	for j in seq1 seq8 rnd1 rnd32; do
+		has "$j" || continue
+		for c in $order; do
+			job "$c" "$j" "$round"
+			st=${R[$c.$j.st.$round]:-0}
 			worst=$((st > worst ? st : worst))
 		done
 	done
 	[ "$worst" -gt "$STEAL_MAX" ] || clean=$((clean + 1))
 done
+# The page-cache count reads the whole device: once is enough.
+if has cache; then
+	for c in $CONFIGS; do copies "$c"; done
+fi
+cleanup
+# How many requests went through the rings (the daemon says so as it stops).
+if want vabc-uring; then grep -h "via the rings" "$WORK/serve-uring.log" || true; fi
 RAN=$round
-JOBS=$ALLJOBS
 # The median of the numeric arguments ("-" if none), printed with FORMAT.
 median() { # FORMAT VALUES...
 	local fmt=$1
@@ -230,7 +242,7 @@ median() { # FORMAT VALUES...
 for c in $CONFIGS; do
 	for j in seq1 seq8 rnd1 rnd32; do
 		vals=()
-		for round in $(seq "$RAN"); do vals+=("${R[$c.$j.$round]}"); done
+		for round in $(seq "$RAN"); do vals+=("${R[$c.$j.$round]:-}"); done
 		R[$c.$j]=$(median %.0f "${vals[@]}")
 	done
 done
