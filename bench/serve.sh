@@ -4,10 +4,11 @@
 #   loop-raw  a loop device (direct I/O) on the raw new.img: the limit of this machine
 #   vabc      vabc serve --fuse (base + COW) + loop device (direct I/O)
 #   vabc-uring  the same over FUSE-over-io_uring (--fuse-uring; turns the kernel switch
-#             /sys/module/fuse/parameters/enable_uring on for the run)
+#             /sys/module/fuse/parameters/enable_uring on for the run, then back)
 #   qsd       qemu-storage-daemon's FUSE export of the raw new.img + loop (direct I/O):
 #             a peer that serves a plain file, so an upper bound for a FUSE daemon
-# Data: the corpus pair `system` (ext4), COW made with `vabc diff` (v3, lz4, 64 KiB).
+# Data: the corpus pair `system` (ext4), COW made with `vabc diff` (v3, lz4, default
+# 128 KiB units).
 # fio on the loop device, page cache dropped before each job:
 #   seq 1 MiB QD1 (psync) and QD8 (io_uring); rand 4 KiB QD1 (psync) and QD32 (io_uring).
 # Then one buffered read of the whole device and a mincore count of every cache layer
@@ -55,7 +56,7 @@ SIZE=$(stat -c %s "$NEW")
 # Every stack is set up once and stays up for the whole run, so that each job runs
 # on all configs back to back: a ratio compares measurements seconds apart, not
 # minutes (the host's load drifts between them).
-LOOPS=() DAEMONS=() MNTS=()
+LOOPS=() DAEMONS=() MNTS=() URING_WAS=""
 declare -A DEV FILES
 cleanup() {
 	{ exec 9<&-; } 2>/dev/null || true
@@ -64,6 +65,9 @@ cleanup() {
 	for x in "${DAEMONS[@]}"; do kill -TERM "$x" 2>/dev/null || true; wait "$x" 2>/dev/null || true; done
 	for x in "${MNTS[@]}"; do mountpoint -q "$x" && umount "$x" 2>/dev/null || true; done
 	LOOPS=() DAEMONS=() MNTS=()
+	# The FUSE-over-io_uring switch goes back to what it was before the run.
+	if [ -n "$URING_WAS" ]; then echo "$URING_WAS" >/sys/module/fuse/parameters/enable_uring || true; fi
+	URING_WAS=""
 }
 trap cleanup EXIT
 
@@ -156,28 +160,25 @@ start_loop_raw() {
 	FILES[loop-raw]=$NEW
 }
 
-# (b) vabc: FUSE export of base + COW, loop on top
-start_vabc() {
-	mkdir -p "$WORK/fuse"
-	: >"$WORK/serve.log" # truncate now: the background job may start after the grep below
-	"$VABC" serve --base "$OLD" --cow "$COW" --size "$SIZE" --fuse "$WORK/fuse" >"$WORK/serve.log" 2>&1 &
-	DAEMONS+=($!) MNTS+=("$WORK/fuse")
-	wait_ready "$WORK/serve.log"
-	loop_on vabc "$WORK/fuse/disk.img"
-	FILES[vabc]="$WORK/fuse/disk.img $OLD $COW"
+# (b) vabc: FUSE export of base + COW, loop on top; (b2) the same over
+# FUSE-over-io_uring (the kernel switch is per connection: the classic export
+# does not negotiate it)
+start_vabc_daemon() { # CFG DIR LOG [serve args...]
+	local cfg=$1 dir=$2 log=$3
+	shift 3
+	mkdir -p "$dir"
+	: >"$log" # truncate now: the background job may start after wait_ready's grep
+	"$VABC" serve --base "$OLD" --cow "$COW" --size "$SIZE" --fuse "$dir" "$@" >"$log" 2>&1 &
+	DAEMONS+=($!) MNTS+=("$dir")
+	wait_ready "$log"
+	loop_on "$cfg" "$dir/disk.img"
+	FILES[$cfg]="$dir/disk.img $OLD $COW"
 }
-
-# (b2) vabc over FUSE-over-io_uring (the switch is per connection: the classic
-# export above does not negotiate it)
+start_vabc() { start_vabc_daemon vabc "$WORK/fuse" "$WORK/serve.log"; }
 start_vabc_uring() {
+	URING_WAS=$(cat /sys/module/fuse/parameters/enable_uring)
 	echo Y >/sys/module/fuse/parameters/enable_uring
-	mkdir -p "$WORK/fuse-uring"
-	: >"$WORK/serve-uring.log"
-	"$VABC" serve --base "$OLD" --cow "$COW" --size "$SIZE" --fuse "$WORK/fuse-uring" --fuse-uring >"$WORK/serve-uring.log" 2>&1 &
-	DAEMONS+=($!) MNTS+=("$WORK/fuse-uring")
-	wait_ready "$WORK/serve-uring.log"
-	loop_on vabc-uring "$WORK/fuse-uring/disk.img"
-	FILES[vabc-uring]="$WORK/fuse-uring/disk.img $OLD $COW"
+	start_vabc_daemon vabc-uring "$WORK/fuse-uring" "$WORK/serve-uring.log" --fuse-uring
 }
 
 # (c) qemu-storage-daemon FUSE export of the raw new image, loop on top
