@@ -38,8 +38,10 @@ pub struct WriterOptions {
     pub cluster_ops: u32,
     /// v3 op-array capacity; must cover every op written. 0 = `max_blocks`.
     pub op_count_max: u64,
-    /// Reserve and zero the 2 MiB merge scratch area.
-    pub scratch: bool,
+    /// Bytes reserved (zeroed) for the merge scratch area: AOSP's 2 MiB
+    /// ([`SCRATCH_SIZE`], the default), or 0 for none. Smaller areas make
+    /// shorter merge windows (tests use them to keep files small).
+    pub scratch_size: u32,
     /// Compression threads; 0 = one per CPU.
     pub threads: usize,
     /// Reject ops for blocks at or past this number.
@@ -55,7 +57,7 @@ impl Default for WriterOptions {
             compression_factor: 65536,
             cluster_ops: 1024,
             op_count_max: 0,
-            scratch: true,
+            scratch_size: SCRATCH_SIZE,
             threads: 0,
             max_blocks: None,
         }
@@ -176,7 +178,7 @@ impl CowWriter {
     pub fn from_file(file: File, path: &Path, opts: WriterOptions) -> Result<CowWriter> {
         check_options(&opts)?;
         let is_regular = file.metadata().map_err(io_err(path, "stat", 0))?.is_file();
-        let buffer_size = if opts.scratch { SCRATCH_SIZE } else { 0 };
+        let buffer_size = opts.scratch_size;
         let header = if opts.version == 2 {
             Header {
                 major_version: 2,

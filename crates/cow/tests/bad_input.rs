@@ -39,7 +39,7 @@ fn seeds() -> Vec<(String, Vec<u8>)> {
                 compression_factor: factor,
                 cluster_ops: cluster,
                 op_count_max: 32,
-                scratch: false,
+                scratch_size: 0,
                 threads: 1,
                 max_blocks: None,
             },

@@ -193,7 +193,13 @@ fn opts(
         compression_factor: 4096 << factor_exp,
         cluster_ops: cluster,
         op_count_max: 4096,
-        scratch: version == 3 || cluster.is_multiple_of(2),
+        // None, AOSP's 2 MiB, or a small area: readers must find the ops
+        // behind any of them.
+        scratch_size: match (version, cluster % 3) {
+            (3, _) | (_, 0) => cow::format::SCRATCH_SIZE,
+            (_, 1) => 64 << 10,
+            _ => 0,
+        },
         threads,
         max_blocks: None,
     }

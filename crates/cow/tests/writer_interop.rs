@@ -203,7 +203,7 @@ fn reads_v1() {
             version: 2,
             compression: Compression::new(Codec::Lz4),
             cluster_ops: 4,
-            scratch: false,
+            scratch_size: 0,
             ..Default::default()
         },
     )
