@@ -11,7 +11,7 @@ use crate::reader::{CowReader, OpenOptions};
 use crate::view::SnapshotView;
 
 /// An anonymous in-memory file (no disk I/O per fuzz iteration).
-fn memfile(name: &str, data: &[u8]) -> Option<File> {
+pub fn memfile(name: &str, data: &[u8]) -> Option<File> {
     let cname = std::ffi::CString::new(name).ok()?;
     // SAFETY: `cname` is a valid NUL-terminated string; memfd_create has no
     // other preconditions and returns a new fd or -1.

@@ -11,6 +11,8 @@
 //! - [`view`]: a reader of the new image that is correct during a merge.
 
 pub mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod io;
 pub mod merger;
 pub mod serving;

@@ -12,6 +12,8 @@
 
 pub mod fuse;
 pub mod fuse_uring;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod mount;
 pub mod nbd;
 pub mod ublk;

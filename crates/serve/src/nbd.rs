@@ -226,6 +226,42 @@ struct Shared {
     conns: Mutex<Vec<(u64, Stream)>>,
 }
 
+impl Shared {
+    /// The state every connection of a server shares, with its read workers
+    /// (`what` names the server in errors).
+    fn new(dev: Arc<dyn BlockDevice>, opts: &NbdOptions, what: &str) -> Result<Shared> {
+        let workers = {
+            let dev = dev.clone();
+            Workers::spawn(
+                "vabc-nbd",
+                opts.workers,
+                1 << 20,
+                move |buf, job: ReadJob| {
+                    let out = buf.slice_mut(job.len as usize);
+                    match dev.read_at(out, job.offset) {
+                        Ok(()) => job.conn.reply(job.cookie, 0, out),
+                        Err(e) => {
+                            eprintln!(
+                                "vabc serve: NBD read of {} bytes at offset {}: {e}",
+                                job.len, job.offset
+                            );
+                            job.conn.reply(job.cookie, e.errno() as u32, &[]);
+                        }
+                    }
+                },
+            )
+            .map_err(io_err("spawn NBD workers for", what))?
+        };
+        Ok(Shared {
+            dev,
+            opts: opts.clone(),
+            workers,
+            stop: AtomicBool::new(false),
+            conns: Mutex::new(Vec::new()),
+        })
+    }
+}
+
 /// A bound NBD server; [`spawn`](Self::spawn) starts accepting.
 pub struct NbdServer {
     listener: Listener,
@@ -263,38 +299,11 @@ impl NbdServer {
             }
             Listener::Unix(..) => addr.clone(),
         };
-        let workers = {
-            let dev = dev.clone();
-            Workers::spawn(
-                "vabc-nbd",
-                opts.workers,
-                1 << 20,
-                move |buf, job: ReadJob| {
-                    let out = buf.slice_mut(job.len as usize);
-                    match dev.read_at(out, job.offset) {
-                        Ok(()) => job.conn.reply(job.cookie, 0, out),
-                        Err(e) => {
-                            eprintln!(
-                                "vabc serve: NBD read of {} bytes at offset {}: {e}",
-                                job.len, job.offset
-                            );
-                            job.conn.reply(job.cookie, e.errno() as u32, &[]);
-                        }
-                    }
-                },
-            )
-            .map_err(io_err("spawn NBD workers for", addr.to_string()))?
-        };
+        let shared = Shared::new(dev, opts, &addr.to_string())?;
         Ok(NbdServer {
             listener,
             addr,
-            shared: Arc::new(Shared {
-                dev,
-                opts: opts.clone(),
-                workers,
-                stop: AtomicBool::new(false),
-                conns: Mutex::new(Vec::new()),
-            }),
+            shared: Arc::new(shared),
         })
     }
 
@@ -500,11 +509,7 @@ enum Negotiated {
 }
 
 fn handshake(sh: &Shared, s: &mut Stream) -> io::Result<Negotiated> {
-    let mut hello = Vec::with_capacity(18);
-    hello.extend_from_slice(&NBDMAGIC.to_be_bytes());
-    hello.extend_from_slice(&IHAVEOPT.to_be_bytes());
-    hello.extend_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
-    s.write_all(&hello)?;
+    s.write_all(&greeting())?;
     let cflags = read_u32(s)?;
     if cflags & !(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES) != 0 {
         return Err(protocol(format!("unknown client flags {cflags:#x}")));
@@ -664,6 +669,69 @@ fn serve_connection(sh: &Arc<Shared>, mut s: Stream) -> io::Result<()> {
             _ => conn.reply(cookie, libc::EINVAL as u32, &[]),
         }
     }
+}
+
+/// The body of the NBD fuzz target (see [`crate::fuzzing`]): the server side of
+/// one connection over a socket pair, fed `input` as everything the client
+/// sends, then end of stream. Returns every byte the server sent back.
+pub(crate) fn exercise_connection(input: &[u8]) -> Vec<u8> {
+    use std::sync::OnceLock;
+    static SHARED: OnceLock<Option<Arc<Shared>>> = OnceLock::new();
+    let shared = SHARED.get_or_init(|| {
+        // The feeder below may write after the server hung up; that must be
+        // an EPIPE error, not a signal killing the fuzzer.
+        // SAFETY: setting a signal's disposition to SIG_IGN has no
+        // preconditions and installs no handler code.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
+        let opts = NbdOptions {
+            workers: 2,
+            ..NbdOptions::default()
+        };
+        // Not a multiple of 512, so that reads ending at the device's end are
+        // partial blocks.
+        Shared::new(
+            Arc::new(crate::fuzzing::Pattern((1 << 20) + 1000)),
+            &opts,
+            "fuzz",
+        )
+        .ok()
+        .map(Arc::new)
+    });
+    let Some(shared) = shared else {
+        return Vec::new();
+    };
+    let Ok((server, client)) = UnixStream::pair() else {
+        return Vec::new();
+    };
+    let Ok(mut feeder) = client.try_clone() else {
+        return Vec::new();
+    };
+    std::thread::scope(|scope| {
+        let feed = scope.spawn(move || {
+            let _ = feeder.write_all(input);
+            let _ = feeder.shutdown(std::net::Shutdown::Write);
+        });
+        let conn = scope.spawn(move || {
+            let _ = serve_connection(shared, Stream::Unix(server));
+        });
+        // Ends once the server and its workers dropped every copy of their end.
+        let mut out = Vec::new();
+        let _ = (&client).read_to_end(&mut out);
+        // Joined rather than left to the scope, so that the threads have
+        // fully exited (leak checkers look right after this returns).
+        let _ = feed.join();
+        let _ = conn.join();
+        out
+    })
+}
+
+/// The server's greeting: every connection starts with it.
+pub(crate) fn greeting() -> [u8; 18] {
+    let mut g = [0u8; 18];
+    g[..8].copy_from_slice(&NBDMAGIC.to_be_bytes());
+    g[8..16].copy_from_slice(&IHAVEOPT.to_be_bytes());
+    g[16..].copy_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
+    g
 }
 
 #[cfg(test)]

@@ -586,6 +586,16 @@ pub fn read_image_info(path: &Path) -> Result<ImageInfo> {
         .metadata()
         .map_err(|e| Error::io("stat", path, 0, e))?
         .len();
+    read_image_info_at(&file, image_size, path)
+}
+
+/// [`read_image_info`] over any source of `image_size` bytes (`path` names it
+/// in errors): lets the fuzz target parse images without touching a disk.
+pub fn read_image_info_at(
+    file: &(impl crate::io::ReadAt + ?Sized),
+    image_size: u64,
+    path: &Path,
+) -> Result<ImageInfo> {
     let bad = |offset: u64, reason: String| Error::BadAvb {
         path: path.to_path_buf(),
         offset,
@@ -599,7 +609,7 @@ pub fn read_image_info(path: &Path) -> Result<ImageInfo> {
             ));
         }
         let mut b = vec![0u8; len as usize];
-        file.read_exact_at(&mut b, off)
+        crate::io::ReadAt::read_exact_at(file, &mut b, off)
             .map_err(|e| Error::io("read", path, off, e))?;
         Ok(b)
     };
@@ -634,7 +644,20 @@ pub fn read_image_info(path: &Path) -> Result<ImageInfo> {
             },
         )
     })?;
-    let aux_off = vb_off + VBMETA_HEADER_SIZE as u64 + header.authentication_data_block_size;
+    // Both sizes come from the file: an absurd one must be an error, not a
+    // wrapped offset that happens to point inside it.
+    let aux_off = (vb_off + VBMETA_HEADER_SIZE as u64)
+        .checked_add(header.authentication_data_block_size)
+        .filter(|&o| o <= image_size)
+        .ok_or_else(|| {
+            bad(
+                vb_off,
+                format!(
+                    "authentication block of {} bytes runs past the end of the file",
+                    header.authentication_data_block_size
+                ),
+            )
+        })?;
     if header.auxiliary_data_block_size > MAX_VBMETA_SIZE * 16 {
         return Err(bad(
             aux_off,
@@ -649,7 +672,12 @@ pub fn read_image_info(path: &Path) -> Result<ImageInfo> {
         o.checked_add(n)
             .filter(|&end| end <= aux.len() as u64)
             .map(|end| &aux[o as usize..end as usize])
-            .ok_or_else(|| bad(aux_off + o, format!("{what} runs past the auxiliary block")))
+            .ok_or_else(|| {
+                bad(
+                    aux_off.saturating_add(o),
+                    format!("{what} runs past the auxiliary block"),
+                )
+            })
     };
     let desc_bytes = slice(
         header.descriptors_offset,

@@ -14,6 +14,8 @@
 pub mod avb;
 mod build;
 mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 mod hash;
 mod io;
 mod params;

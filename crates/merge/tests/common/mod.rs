@@ -179,6 +179,18 @@ pub fn make_update(
     version: u16,
     codec: Codec,
 ) -> (Vec<u8>, Vec<u8>) {
+    make_update_with(cow_path, blocks, version, codec, cow::format::SCRATCH_SIZE)
+}
+
+/// [`make_update`] with a scratch area of `scratch_size` bytes instead of
+/// AOSP's 2 MiB (shorter windows, smaller files).
+pub fn make_update_with(
+    cow_path: &Path,
+    blocks: usize,
+    version: u16,
+    codec: Codec,
+    scratch_size: u32,
+) -> (Vec<u8>, Vec<u8>) {
     let old = noise(1, blocks * BS);
     let mut new = old.clone();
     let q = blocks / 8;
@@ -244,6 +256,7 @@ pub fn make_update(
             compression_factor: 16384,
             cluster_ops: 64,
             op_count_max: blocks as u64 * 2,
+            scratch_size,
             ..Default::default()
         },
     )

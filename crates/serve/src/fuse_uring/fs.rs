@@ -217,19 +217,7 @@ impl DiskFs {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    struct Pattern(u64);
-    impl BlockDevice for Pattern {
-        fn size(&self) -> u64 {
-            self.0
-        }
-        fn read_at(&self, buf: &mut [u8], offset: u64) -> engine::Result<()> {
-            for (i, b) in buf.iter_mut().enumerate() {
-                *b = ((offset + i as u64) % 251) as u8;
-            }
-            Ok(())
-        }
-    }
+    use crate::fuzzing::Pattern;
 
     fn fs() -> DiskFs {
         DiskFs {
