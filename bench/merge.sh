@@ -5,7 +5,8 @@
 # For each pair: `vabc diff --compression $CODEC` old -> new (v3; CODEC
 # defaults to lz4, as in bench/serve.sh: the update a device boots from is
 # the one it merges, and lz4 is the codec devices decode; zstd:19, the diff's
-# default, makes a smaller COW whose payloads cost the merge more CPU), then for
+# default, makes a smaller COW whose payloads cost the merge more CPU; DIFF_ARGS
+# adds diff options, e.g. "--far-xor-blocks 4096"), then for
 # each engine a fresh, fully allocated copy of old.img and of the COW (a
 # device has no holes to allocate), caches dropped, `vabc merge --json`
 # (wall time, syscalls, fsyncs as counted by the engine), the result checked
@@ -31,7 +32,7 @@
 # summary is the median of the rounds' ratios. Every round runs the sync
 # baseline too, so that each speedup compares runs minutes apart at most.
 #
-# Usage: [CODEC=lz4] [ROUNDS=3] bench/merge.sh [-p "medium system"] [-c CORPUS_DIR] [-w WORKDIR]
+# Usage: [CODEC=lz4] [DIFF_ARGS=...] [ROUNDS=3] bench/merge.sh [-p "medium system"] [-c CORPUS_DIR] [-w WORKDIR]
 # Needs (Debian): fio; the corpus is built with ../shared/corpus/make-corpus.sh.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -41,12 +42,13 @@ PAIRS="medium system"
 WORK=${TMPDIR:-/tmp}/vabc-bench-merge
 ROUNDS=${ROUNDS:-3}
 CODEC=${CODEC:-lz4}
+DIFF_ARGS=${DIFF_ARGS:-}
 while getopts "p:c:w:" opt; do
 	case $opt in
 	p) PAIRS=$OPTARG ;;
 	c) CORPUS=$OPTARG ;;
 	w) WORK=$OPTARG ;;
-	*) sed -n '2,35p' "$0" >&2; exit 2 ;;
+	*) sed -n '2,36p' "$0" >&2; exit 2 ;;
 	esac
 done
 command -v fio >/dev/null || { echo "missing fio (apt-get install fio)" >&2; exit 1; }
@@ -95,7 +97,8 @@ notes=()
 summary=()
 for pair in $PAIRS; do
 	[ -e "$CORPUS/$pair/old.ext4.img" ] || bash "$SHARED/corpus/make-corpus.sh" -p "$pair" -o "$CORPUS" >&2
-	"$VABC" diff --compression "$CODEC" "$CORPUS/$pair/old.ext4.img" "$CORPUS/$pair/new.ext4.img" -o "$WORK/$pair.cow" >/dev/null
+	# shellcheck disable=SC2086 # DIFF_ARGS is a list of options
+	"$VABC" diff --compression "$CODEC" $DIFF_ARGS "$CORPUS/$pair/old.ext4.img" "$CORPUS/$pair/new.ext4.img" -o "$WORK/$pair.cow" >/dev/null
 	# The limit: read every COPY/XOR source once, write every destination once.
 	read -r src dst < <("$VABC" inspect --json "$WORK/$pair.cow" | python3 -c "import json,sys; v=json.load(sys.stdin); b=v['blocks_by_type']; print((b.get('COPY',0)+b.get('XOR',0))*4096, v['blocks_covered']*4096)")
 	sync_s=
@@ -166,5 +169,5 @@ printf -- '- %s\n' "${summary[@]}"
 if [ ${#notes[@]} -gt 0 ]; then printf -- '- %s\n' "${notes[@]}"; fi
 printf '\nfio on this filesystem, read/write MB/s per round (1 MiB, O_DIRECT): %s; 4 KiB O_DIRECT write + fdatasync %.2f ms\n' \
 	"${BWS[*]}" "$(echo "$FSYNC_S * 1000" | bc -l)"
-echo "command: CODEC=$CODEC ROUNDS=$ROUNDS bench/merge.sh -p \"$PAIRS\"   ($(nproc) cores, $(uname -sr), load $(cut -d' ' -f1-3 /proc/loadavg))"
+echo "command: CODEC=$CODEC DIFF_ARGS=\"$DIFF_ARGS\" ROUNDS=$ROUNDS bench/merge.sh -p \"$PAIRS\"   ($(nproc) cores, $(uname -sr), load $(cut -d' ' -f1-3 /proc/loadavg))"
 rm -f "$WORK/base.img" "$WORK/merge.cow"

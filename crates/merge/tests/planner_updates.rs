@@ -55,13 +55,16 @@ fn make_pair(seed: u64) -> (Vec<u8>, Vec<u8>) {
     (old, new)
 }
 
-fn write_update(old: &[u8], new: &[u8], path: &Path) {
+/// Writes the update; returns how many XORs `far_xor_blocks` turned into
+/// REPLACEs.
+fn write_update(old: &[u8], new: &[u8], path: &Path, far_xor_blocks: u64) -> u64 {
     let (o, n) = (
         MemImage::new("old", old.to_vec()),
         MemImage::new("new", new.to_vec()),
     );
     let opts = PlanOptions {
         threads: 1,
+        far_xor_blocks,
         ..PlanOptions::default()
     };
     let plan = delta::plan(&o, &n, &opts, &NoProgress).expect("plan");
@@ -75,6 +78,7 @@ fn write_update(old: &[u8], new: &[u8], path: &Path) {
         threads: 1,
     };
     write_cow(&plan, &o, &n, path, &cow, &NoProgress).expect("write COW");
+    plan.census.far_xors
 }
 
 #[test]
@@ -83,9 +87,12 @@ fn planner_updates_merge_and_resume_exactly() {
     let cow_path = dir.path().join("u.cow");
     let mut early_total = 0;
     let mut crashes = 0;
+    let mut far_xors = 0;
     for seed in 0..100u64 {
         let (old, new) = make_pair(seed);
-        write_update(&old, &new, &cow_path);
+        // Every third update without the XORs that read blocks rewritten
+        // more than 2 blocks away (`vabc diff --far-xor-blocks`).
+        far_xors += write_update(&old, &new, &cow_path, if seed % 3 == 2 { 2 } else { 0 });
         let cow_bytes = std::fs::read(&cow_path).unwrap();
         for early_blocks in [1024, 0] {
             // Small windows: many of them, both kinds, in a small update.
@@ -132,6 +139,7 @@ fn planner_updates_merge_and_resume_exactly() {
             crashes += 1;
         }
     }
-    eprintln!("{crashes} crash points; {early_total} blocks written early");
+    eprintln!("{crashes} crash points; {early_total} blocks written early; {far_xors} far XORs");
     assert!(early_total > 0 && crashes >= 150, "{early_total} {crashes}");
+    assert!(far_xors > 0, "no update had a far XOR to replace");
 }

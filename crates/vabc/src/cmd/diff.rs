@@ -50,6 +50,15 @@ pub struct Args {
     /// Only COPY, ZERO and REPLACE ops (no XOR).
     #[arg(long)]
     pub no_xor: bool,
+    /// Store an XOR as a REPLACE when its source block is rewritten by
+    /// another op more than this many blocks away (0, the default: keep
+    /// every XOR). Such reads chain distant parts of the merge order
+    /// together, which scatters the merge's writes. A trade of size for
+    /// merge speed: on the `system` ext4 pair 4096 makes the COW 2.9%
+    /// larger (lz4: 4.9%) and the merge issue 41% fewer I/O requests and
+    /// run ~10% faster; 1024: +16% (lz4 +19%), 50% fewer requests.
+    #[arg(long, value_name = "BLOCKS", default_value_t = 0)]
+    pub far_xor_blocks: u64,
     /// Worker threads (0 = one per CPU). The output does not depend on it.
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
@@ -147,6 +156,7 @@ struct Blocks {
     xor: u64,
     replace: u64,
     cycle_breaks: u64,
+    far_xors: u64,
 }
 
 #[derive(Serialize)]
@@ -223,6 +233,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let popts = PlanOptions {
         xor: !args.no_xor,
         threads: args.threads,
+        far_xor_blocks: args.far_xor_blocks,
         ..PlanOptions::for_codec(compression.codec)
     };
     let plan = delta::plan(&old, &new, &popts, &bar)?;
@@ -276,6 +287,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             xor: c.xor,
             replace: c.replace,
             cycle_breaks: c.cycle_breaks,
+            far_xors: c.far_xors,
         },
         bytes: Bytes {
             copy: 0,
@@ -306,7 +318,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             report.seconds
         );
         println!(
-            "blocks: {} unchanged, {} zero, {} copy, {} xor ({} bytes), {} replace ({} bytes; {} from merge cycles)",
+            "blocks: {} unchanged, {} zero, {} copy, {} xor ({} bytes), {} replace ({} bytes; {} from merge cycles, {} from far XORs)",
             c.unchanged,
             c.zero,
             c.copy,
@@ -314,7 +326,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             w.xor_bytes,
             c.replace,
             w.replace_bytes,
-            c.cycle_breaks
+            c.cycle_breaks,
+            c.far_xors
         );
         if let Some(v) = &report.verity {
             println!(
