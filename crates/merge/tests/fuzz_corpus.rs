@@ -29,14 +29,8 @@ fn seeds() -> Vec<(String, Vec<u8>)> {
         let (old, _new) = make_update_with(&p, 64, version, codec, 64 << 10);
         let cow = std::fs::read(&p).unwrap();
         out.push((format!("v{version}_{codec}_fresh"), cow.clone()));
+        let (events, _) = dry_run(&p, &old, MergeOptions::default());
         let r = CowReader::open(&p).unwrap();
-        let events = {
-            let m =
-                Merge::new(&r, old.len() as u64, "base".into(), MergeOptions::default()).unwrap();
-            let mut sim = SimDisk::new(old.clone(), cow.clone(), None);
-            m.run(&mut sim, &|_, _| {}).unwrap();
-            sim.events()
-        };
         for k in [2, 5, events / 3, events / 2, events - 2] {
             let m =
                 Merge::new(&r, old.len() as u64, "base".into(), MergeOptions::default()).unwrap();

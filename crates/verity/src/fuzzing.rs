@@ -29,15 +29,8 @@ pub fn exercise_image(data: &[u8]) {
             };
             // Blocks past the input read as zeros, so a descriptor claiming
             // terabytes would be hashed in full: verify only what is there.
-            if params.data_size() <= data.len() as u64
-                && params.layout().is_ok()
-                && let Ok(()) =
-                    verify_tree(input, &params, input, h.tree_offset, &h.root_digest, None)
-            {
-                // A tree that verifies must verify again (no hidden state).
-                assert!(
-                    verify_tree(input, &params, input, h.tree_offset, &h.root_digest, None).is_ok()
-                );
+            if params.data_size() <= data.len() as u64 && params.layout().is_ok() {
+                let _ = verify_tree(input, &params, input, h.tree_offset, &h.root_digest, None);
             }
         }
     }
