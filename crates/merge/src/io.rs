@@ -68,6 +68,31 @@ pub trait MergeIo {
     fn wait_reads(&mut self) -> io::Result<()> {
         Ok(())
     }
+    /// Start writes (which never overlap each other or any transfer in
+    /// flight) that may still run while later calls (reads, CPU work) do;
+    /// [`MergeIo::wait_writes`] returns once they completed, and `sync`
+    /// covers them. The default writes at once.
+    ///
+    /// # Safety
+    /// Each `(offset, ptr, len)` names memory that stays valid and unchanged
+    /// until `wait_writes` or `sync` has returned (or the engine is dropped).
+    unsafe fn start_writes(
+        &mut self,
+        dev: Dev,
+        reqs: &[(u64, *const u8, usize)],
+    ) -> io::Result<()> {
+        let bufs: Vec<(u64, &[u8])> = reqs
+            .iter()
+            // SAFETY: the caller guarantees the memory is valid and unchanged
+            // until `wait_writes`; it is used only during this call.
+            .map(|&(off, ptr, len)| (off, unsafe { std::slice::from_raw_parts(ptr, len) }))
+            .collect();
+        self.write_many(dev, &bufs)
+    }
+    /// Wait for the writes of `start_writes`.
+    fn wait_writes(&mut self) -> io::Result<()> {
+        Ok(())
+    }
     /// Hint: this buffer will carry most data; an engine may register it
     /// with the kernel. It stays alive and unmoved until `unregister`.
     fn register(&mut self, _buf: &mut [u8]) -> io::Result<()> {

@@ -10,7 +10,10 @@
 //!    merge order makes safe (no op reads a block an earlier op writes);
 //! 2. write them and their metadata into the scratch area, sync;
 //!    then `read_ahead_state = 2`, sync — W is now recoverable from the COW;
-//! 3. write W's destinations to the base, sync;
+//! 3. write W's destinations to the base, sync — while those writes run,
+//!    the next window is assembled (its sources waited for, XORs applied,
+//!    blocks put in destination order) in a second buffer, so that this
+//!    CPU work costs no disk time;
 //! 4. `num_merge_ops += |W|` and `read_ahead_state = 1` in one header write,
 //!    sync.
 //!
@@ -163,6 +166,37 @@ impl<'b> WindowData<'b> {
             early_data: &[],
         }
     }
+}
+
+/// A window's write runs (`Merge::arrange`): (first block, first block
+/// slot, blocks), over its sorted copy or, when `!in_sorted`, over the
+/// window's own blocks.
+struct Arranged {
+    runs: Vec<(u64, usize, usize)>,
+    in_sorted: bool,
+}
+
+impl Arranged {
+    /// (byte offset, data) of each run, over the bytes the runs index.
+    fn requests<'d>(&self, data: &'d [u8]) -> Vec<(u64, &'d [u8])> {
+        self.runs
+            .iter()
+            .map(|&(b, s, c)| {
+                (
+                    b * BLOCK_SIZE_U64,
+                    &data[s * BLOCK_SIZE..(s + c) * BLOCK_SIZE],
+                )
+            })
+            .collect()
+    }
+}
+
+/// A window assembled in a slot and arranged, ready to be written.
+struct Ready {
+    pos: usize,
+    n: usize,
+    direct: bool,
+    arranged: Arranged,
 }
 
 /// A window whose source reads were started (`Merge::start_sources`).
@@ -385,12 +419,13 @@ impl<'a> Merge<'a> {
         let plan = self.plan_early(if replay { self.ordered } else { pos as usize });
         report.early_blocks = plan.blocks() as u64;
         // One registered, page-aligned allocation (so that an engine can
-        // move it with O_DIRECT) holds: the window being merged; its blocks
-        // in destination order with the REPLACE/ZERO blocks written early
-        // (see `write_destinations`); and the staging
-        // area the next window's sources are read into while this one is
-        // written (see `start_sources`). XOR payloads are decoded by a
-        // worker thread (see `prepare`).
+        // move it with O_DIRECT) holds two window slots, each: a window's
+        // blocks in op order, and its blocks in destination order with the
+        // REPLACE/ZERO blocks written early (see `arrange`); and the staging
+        // area the next window's sources are read into while one is written
+        // (see `start_sources`). While one slot's destinations are written,
+        // the next window is assembled in the other (see `run`'s loop). XOR
+        // payloads are decoded by a worker thread (see `prepare`).
         // Room for our longest window and for a published one to replay,
         // but no more than the ordered ops (a small update needs a small
         // buffer, quick to allocate and pin).
@@ -401,15 +436,19 @@ impl<'a> Merge<'a> {
             .max(1)
             * BLOCK_SIZE;
         let early_cap = plan.max_window() * BLOCK_SIZE;
-        let mut arena = AlignedBuf::new(4 * cap + early_cap);
+        let mut arena = AlignedBuf::new(6 * cap + 2 * early_cap);
         // Registering only saves the kernel a page lookup per transfer; where
         // it is refused (an unprivileged user's RLIMIT_MEMLOCK), plain
         // transfers do the same job.
         if self.window_cap > 0 && io.register(&mut arena).is_err() {
             io.unregister();
         }
-        let (window, rest) = arena.split_at_mut(cap);
-        let (sorted, staging) = rest.split_at_mut(cap + early_cap);
+        let (windows, rest) = arena.split_at_mut(2 * cap);
+        let (sorteds, staging) = rest.split_at_mut(2 * (cap + early_cap));
+        let (w0, w1) = windows.split_at_mut(cap);
+        let (s0, s1) = sorteds.split_at_mut(cap + early_cap);
+        let mut windows = [w0, w1];
+        let mut sorteds = [s0, s1];
         let staging = staging.as_mut_ptr();
         // The decoder's reads, and the time spent waiting for it.
         let mut decoder = IoStats::default();
@@ -482,7 +521,7 @@ impl<'a> Merge<'a> {
                         .is_some_and(|f| f.load(Ordering::Relaxed))
             };
             if replay {
-                let n = self.replay_window(io, pos as usize, &mut window[..cap], sorted)?;
+                let n = self.replay_window(io, pos as usize, windows[0], sorteds[0])?;
                 if n > 0 {
                     pos += n as u64;
                     self.commit(io, &mut head, pos)?;
@@ -492,18 +531,32 @@ impl<'a> Merge<'a> {
                     progress(pos, total as u64);
                 }
             }
+            // The window whose sources are being read: started while the
+            // one before it was written.
             let mut pending: Option<Pending> = None;
             // The prefetched window's (length, direct), cut when its reads
             // were started.
             let mut next_window: Option<(usize, bool)> = None;
-            while (pos as usize) < self.ordered && !out_of_budget(commits) {
-                let at = pos as usize;
+            // Assemble the window at `at` in one slot's buffers: wait for its
+            // sources, apply its XORs, start reading the next window's
+            // sources when `prefetch` (in a valid merge order, which
+            // `Merge::new` checked, no op reads a block an earlier op writes,
+            // so writes still running cannot change what those reads
+            // return; its XOR payloads are decoded meanwhile), and arrange
+            // its blocks for writing.
+            let mut assemble = |io: &mut dyn MergeIo,
+                                at: usize,
+                                prefetch: bool,
+                                window: &mut [u8],
+                                sorted: &mut [u8],
+                                queued: &mut VecDeque<Job>,
+                                decoder: &mut IoStats|
+             -> Result<Ready> {
                 let (n, direct) = next_window.take().unwrap_or_else(|| self.window_at(at));
-                let cur = &mut *window;
                 let p = match pending.take() {
                     Some(p) => p,
                     None => {
-                        send(Job::Xor { pos: at, n }, &mut queued);
+                        send(Job::Xor { pos: at, n }, queued);
                         // SAFETY: the staging area (2 * cap bytes) is not
                         // touched until `finish_sources` below waits for
                         // the reads.
@@ -511,44 +564,109 @@ impl<'a> Merge<'a> {
                     }
                 };
                 debug_assert_eq!((p.pos, p.n), (at, n));
-                let xors = take(Job::Xor { pos: at, n }, &mut queued, &mut decoder)?;
+                let xors = take(Job::Xor { pos: at, n }, queued, decoder)?;
                 // SAFETY: the staging area is 2 * cap bytes inside `arena`,
                 // disjoint from every slice in use; `finish_sources` reads
                 // it only after waiting for the reads into it.
                 let staged = unsafe { std::slice::from_raw_parts(staging, 2 * cap) };
-                self.finish_sources(io, &p, cur, staged, &xors.data)?;
-                // Read the next window's sources while this one is written:
-                // in a valid merge order (`Merge::new` checked it) no op
-                // reads a block an earlier op writes, so these writes cannot
-                // change what those reads return. Its XOR payloads are
-                // decoded meanwhile.
+                self.finish_sources(io, &p, window, staged, &xors.data)?;
                 let next = at + n;
-                if next < self.ordered && !out_of_budget(commits + 1) {
+                if prefetch && next < self.ordered {
                     let (m, d) = self.window_at(next);
                     next_window = Some((m, d));
-                    send(Job::Xor { pos: next, n: m }, &mut queued);
+                    send(Job::Xor { pos: next, n: m }, queued);
                     // SAFETY: the staging area (consumed by `finish_sources`
-                    // above) is left alone until the next iteration's
+                    // above) is left alone until the next assembly's
                     // `finish_sources` waits for these reads; `run` waits
                     // for them on every other path before it is dropped.
                     pending = Some(unsafe { self.start_sources(io, next, m, staging)? });
                 }
                 let data = WindowData {
-                    blocks: cur,
+                    blocks: window,
                     early: plan.window(at),
                     early_data: &xors.early,
                 };
-                if direct {
-                    self.write_destinations(io, at, n, data, sorted)?;
-                    report.direct_windows += 1;
-                } else {
-                    self.merge_window(io, at, n, data, &mut head, sorted)?;
+                let arranged = self.arrange(at, n, data, sorted);
+                Ok(Ready {
+                    pos: at,
+                    n,
+                    direct,
+                    arranged,
+                })
+            };
+            // Window k's destination writes run while window k + 1 is
+            // assembled in the other slot; only then does the merge wait for
+            // them, sync and commit k. Done in turn, that CPU work left the
+            // disk idle: on the `system` pair ~0.4 s of a 1.8 s merge ran
+            // outside any I/O wait, and 2 ms of extra CPU per window made
+            // the merge 0.6 s longer (bench/RESULTS.md, eleventh session).
+            let mut ready: Option<Ready> = None;
+            let mut slot = 0;
+            while (pos as usize) < self.ordered && !out_of_budget(commits) {
+                let at = pos as usize;
+                let w = match ready.take() {
+                    Some(w) => w,
+                    None => assemble(
+                        io,
+                        at,
+                        !out_of_budget(commits + 1),
+                        windows[slot],
+                        sorteds[slot],
+                        &mut queued,
+                        &mut decoder,
+                    )?,
+                };
+                debug_assert_eq!(w.pos, at);
+                let blocks = &windows[slot][..w.n * BLOCK_SIZE];
+                if !w.direct {
+                    self.publish_scratch(io, at, w.n, blocks, &mut head)?;
                 }
-                pos += n as u64;
+                self.begin_window(at, w.n, blocks);
+                let data: &[u8] = if w.arranged.in_sorted {
+                    sorteds[slot]
+                } else {
+                    blocks
+                };
+                let reqs: Vec<(u64, *const u8, usize)> = w
+                    .arranged
+                    .requests(data)
+                    .iter()
+                    .map(|&(off, d)| (off, d.as_ptr(), d.len()))
+                    .collect();
+                let first = reqs.first().map_or(0, |r| r.0);
+                // SAFETY: this slot's buffers are not touched until
+                // `wait_writes` below returned: the next window is assembled
+                // in the other slot, and every exit from here on waits for
+                // these writes (below, or after the loop) before the arena
+                // is released.
+                unsafe { io.start_writes(Dev::Base, &reqs) }
+                    .map_err(|e| self.base_io("write destinations", first, e))?;
+                let next = at + w.n;
+                if next < self.ordered && !out_of_budget(commits + 1) {
+                    let other = 1 - slot;
+                    ready = Some(assemble(
+                        io,
+                        next,
+                        !out_of_budget(commits + 2),
+                        windows[other],
+                        sorteds[other],
+                        &mut queued,
+                        &mut decoder,
+                    )?);
+                }
+                io.wait_writes()
+                    .map_err(|e| self.base_io("write destinations", first, e))?;
+                io.sync(Dev::Base)
+                    .map_err(|e| self.base_io("sync destinations", first, e))?;
+                pos += w.n as u64;
                 self.commit(io, &mut head, pos)?;
                 report.windows += 1;
+                if w.direct {
+                    report.direct_windows += 1;
+                }
                 commits += 1;
                 progress(pos, total as u64);
+                slot = 1 - slot;
             }
             // REPLACE/ZERO, in the batches the worker decoded ahead.
             while (pos as usize) < total && !out_of_budget(commits) {
@@ -582,12 +700,14 @@ impl<'a> Merge<'a> {
             report.commits = commits as u64;
             Ok(())
         });
-        // Reads still in flight (a prefetch after the last commit of a
-        // bounded run, or an error) must finish before `window` is freed.
+        // Transfers still in flight (a prefetch after the last commit of a
+        // bounded run, or an error) must finish before `arena` is freed.
         let waited = io.wait_reads();
+        let written = io.wait_writes();
         io.unregister();
         result?;
         waited.map_err(|e| self.base_io("read sources", 0, e))?;
+        written.map_err(|e| self.base_io("write destinations", 0, e))?;
         report.merged = pos;
         report.io = io.stats();
         report.io.syscalls += decoder.syscalls;
@@ -718,16 +838,16 @@ impl<'a> Merge<'a> {
         Ok(())
     }
 
-    fn merge_window(
+    /// Make a scratch window recoverable from the COW before its
+    /// destinations are written (module docs, step 2).
+    fn publish_scratch(
         &self,
         io: &mut dyn MergeIo,
         pos: usize,
         n: usize,
-        data: WindowData<'_>,
+        buf: &[u8],
         head: &mut [u8],
-        sorted: &mut [u8],
     ) -> Result<()> {
-        let buf = data.blocks;
         // Publish: metadata + data, sync, then the state byte, sync. The
         // first write rewrites the header page with the state byte it
         // already holds, so a torn write cannot publish anything.
@@ -748,8 +868,7 @@ impl<'a> Merge<'a> {
             .map_err(|e| self.cow_io("write scratch", self.meta_off, e))?;
         head[self.header_size] = STATE_DONE;
         io.write_and_sync(Dev::Cow, &[(0, self.header_page(head))])
-            .map_err(|e| self.cow_io("write state", self.header_size as u64, e))?;
-        self.write_destinations(io, pos, n, data, sorted)
+            .map_err(|e| self.cow_io("write state", self.header_size as u64, e))
     }
 
     /// The first page of the mirrored COW start (or all of it, if shorter).
@@ -845,6 +964,21 @@ impl<'a> Merge<'a> {
     /// large write instead of hundreds of 4 KiB ones. The order of writes
     /// inside a window does not matter, since they are all made durable
     /// together before the window is committed.
+    /// Readers served while merging switch to the window's in-memory copy
+    /// before its destinations are overwritten; the call waits for reads of
+    /// its sources still in flight.
+    fn begin_window(&self, pos: usize, n: usize, blocks: &[u8]) {
+        if let Some(s) = &self.status {
+            let ops = &self.order[pos..pos + n];
+            s.begin_window(
+                pos,
+                ops.iter().map(|o| o.new_block),
+                &blocks[..n * BLOCK_SIZE],
+            );
+        }
+    }
+
+    /// Write a window's destinations (and its early blocks) and sync.
     fn write_destinations(
         &self,
         io: &mut dyn MergeIo,
@@ -853,13 +987,26 @@ impl<'a> Merge<'a> {
         data: WindowData<'_>,
         sorted: &mut [u8],
     ) -> Result<()> {
+        self.begin_window(pos, n, data.blocks);
+        let arranged = self.arrange(pos, n, data, sorted);
+        let bytes: &[u8] = if arranged.in_sorted {
+            sorted
+        } else {
+            data.blocks
+        };
+        let reqs = arranged.requests(bytes);
+        let first = reqs.first().map_or(0, |r| r.0);
+        io.write_and_sync(Dev::Base, &reqs)
+            .map_err(|e| self.base_io("write destinations", first, e))
+    }
+
+    /// A window's blocks in destination order, cut into write runs: its
+    /// ops' blocks and the early REPLACE/ZERO blocks, copied into `sorted`
+    /// unless the ops are in order already and nothing is written early
+    /// (then they are written from the window itself).
+    fn arrange(&self, pos: usize, n: usize, data: WindowData<'_>, sorted: &mut [u8]) -> Arranged {
         let buf = data.blocks;
         let ops = &self.order[pos..pos + n];
-        if let Some(s) = &self.status {
-            // Readers of this window switch to the in-memory copy; the call
-            // waits for reads of its sources still in flight.
-            s.begin_window(pos, ops.iter().map(|o| o.new_block), &buf[..n * BLOCK_SIZE]);
-        }
         let WindowData {
             early, early_data, ..
         } = data;
@@ -875,16 +1022,13 @@ impl<'a> Merge<'a> {
                     .map(|(&(b, _), d)| (b, d)),
             )
             .collect();
-        let total = blocks.len();
-        let data: &[u8] = if early.is_empty() && blocks.is_sorted_by_key(|b| b.0) {
-            &buf[..n * BLOCK_SIZE]
-        } else {
+        let in_sorted = !(early.is_empty() && blocks.is_sorted_by_key(|b| b.0));
+        if in_sorted {
             blocks.sort_unstable_by_key(|b| b.0);
             for (k, (_, d)) in blocks.iter().enumerate() {
                 sorted[k * BLOCK_SIZE..(k + 1) * BLOCK_SIZE].copy_from_slice(d);
             }
-            &sorted[..total * BLOCK_SIZE]
-        };
+        }
         let mut runs: Vec<(u64, usize, usize)> = Vec::new(); // (block, first slot, count)
         for (k, &(block, _)) in blocks.iter().enumerate() {
             match runs.last_mut() {
@@ -896,18 +1040,7 @@ impl<'a> Merge<'a> {
                 _ => runs.push((block, k, 1)),
             }
         }
-        let reqs: Vec<(u64, &[u8])> = runs
-            .iter()
-            .map(|&(b, s, c)| {
-                (
-                    b * BLOCK_SIZE_U64,
-                    &data[s * BLOCK_SIZE..(s + c) * BLOCK_SIZE],
-                )
-            })
-            .collect();
-        let first = runs.first().map_or(0, |r| r.0 * BLOCK_SIZE_U64);
-        io.write_and_sync(Dev::Base, &reqs)
-            .map_err(|e| self.base_io("write destinations", first, e))
+        Arranged { runs, in_sorted }
     }
 
     /// The REPLACE/ZERO batch starting at `pos`: up to `commit_ops` ops

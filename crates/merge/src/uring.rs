@@ -63,13 +63,20 @@ pub struct UringIo {
     stats: IoStats,
     /// Registered buffer: (start, len).
     fixed: Option<(usize, usize)>,
-    /// Background reads (`start_reads`): all of them, the next to submit,
-    /// how many are in flight, the first error, short transfers.
+    /// Background transfers (`start_reads`, `start_writes`): all of them,
+    /// the next to submit, how many are in flight, how many reads and
+    /// writes have not completed, the first error, short transfers.
     bg: Vec<Sqe>,
     bg_next: usize,
     bg_in_flight: usize,
+    bg_left: [usize; 2],
     bg_err: Option<io::Error>,
     bg_short: Vec<usize>,
+}
+
+/// Index of `bg_left` for a transfer's direction.
+fn kind(write: bool) -> usize {
+    usize::from(write)
 }
 
 /// user_data tags: foreground entries carry their index, background reads
@@ -77,6 +84,7 @@ pub struct UringIo {
 const BG_TAG: u64 = 1 << 62;
 const FSYNC_TAG: u64 = u64::MAX;
 
+#[derive(Clone, Copy)]
 struct Sqe {
     fd: i32,
     off: u64,
@@ -102,6 +110,7 @@ impl UringIo {
             bg: Vec::new(),
             bg_next: 0,
             bg_in_flight: 0,
+            bg_left: [0; 2],
             bg_err: None,
             bg_short: Vec::new(),
         })
@@ -223,6 +232,7 @@ impl UringIo {
             if ud != FSYNC_TAG && ud & BG_TAG != 0 {
                 self.bg_in_flight -= 1;
                 let i = (ud & !BG_TAG) as usize;
+                self.bg_left[kind(self.bg[i].write)] -= 1;
                 if res < 0 {
                     if self.bg_err.is_none() && res != -libc::ECANCELED {
                         self.bg_err = Some(io::Error::from_raw_os_error(-res));
@@ -326,6 +336,8 @@ impl UringIo {
     }
 
     fn fsync_inner(&mut self, fd: i32) -> io::Result<()> {
+        // A sync covers the writes started before it (`start_writes`).
+        self.wait_background(true)?;
         self.stats.fsyncs += 1;
         while self.bg_in_flight >= self.depth {
             // Make room: the fsync needs one slot.
@@ -423,23 +435,48 @@ impl UringIo {
         }
     }
 
-    /// Wait for every background read; the first error wins.
-    fn wait_background(&mut self) -> io::Result<()> {
-        while self.bg_next < self.bg.len() || self.bg_in_flight > 0 {
+    /// Wait for every background read (`write` false) or write (true); the
+    /// first error of either wins. Entries are forgotten once both kinds
+    /// are done.
+    fn wait_background(&mut self, write: bool) -> io::Result<()> {
+        while self.bg_left[kind(write)] > 0 {
             self.fill_background(0)?;
             let fg = self.reap(self.bg_in_flight.div_ceil(2).max(1))?;
             debug_assert!(fg.is_empty(), "foreground completion outside run");
         }
         let err = self.bg_err.take();
-        let short = std::mem::take(&mut self.bg_short);
-        let bg = std::mem::take(&mut self.bg);
-        self.bg_next = 0;
-        if let Some(e) = err {
-            return Err(e);
+        let (mine, others): (Vec<usize>, Vec<usize>) = std::mem::take(&mut self.bg_short)
+            .into_iter()
+            .partition(|&i| self.bg[i].write == write);
+        self.bg_short = others;
+        let result = match err {
+            Some(e) => Err(e),
+            None => mine.iter().try_for_each(|&i| {
+                let s = self.bg[i];
+                self.finish_short(&s)
+            }),
+        };
+        if self.bg_left == [0, 0] {
+            self.bg.clear();
+            self.bg_next = 0;
+            self.bg_short.clear();
         }
-        for i in short {
-            self.finish_short(&bg[i])?;
+        result
+    }
+
+    /// Queue background transfers and hand them to the kernel now;
+    /// completions are reaped by later calls.
+    fn start_background(&mut self, mut sqes: Vec<Sqe>) -> io::Result<()> {
+        // Batches add up until waited for; indices into `bg` stay valid.
+        sqes.sort_by_key(|s| s.off);
+        self.count(&sqes);
+        for s in &sqes {
+            self.bg_left[kind(s.write)] += 1;
         }
+        self.bg.extend(sqes);
+        self.fill_background(0)?;
+        self.stats.syscalls += 1;
+        self.ring.submit()?;
         Ok(())
     }
 
@@ -489,26 +526,39 @@ impl MergeIo for UringIo {
     }
 
     unsafe fn start_reads(&mut self, dev: Dev, reqs: &[(u64, *mut u8, usize)]) -> io::Result<()> {
-        // Batches add up until `wait_reads`; indices into `bg` stay valid.
         let fd = self.fd(dev);
         let mut sqes = Vec::with_capacity(reqs.len());
         for &(off, ptr, len) in reqs {
             Self::split(fd, off, ptr, len, false, &mut sqes);
         }
-        sqes.sort_by_key(|s| s.off);
-        self.count(&sqes);
-        self.bg.extend(sqes);
-        self.fill_background(0)?;
-        // Hand them to the kernel now; completions are reaped by later calls.
-        self.stats.syscalls += 1;
-        self.ring.submit()?;
-        Ok(())
+        self.start_background(sqes)
     }
 
     fn wait_reads(&mut self) -> io::Result<()> {
         let t = Instant::now();
-        let r = self.wait_background();
+        let r = self.wait_background(false);
         self.stats.read_wait += t.elapsed();
+        r
+    }
+
+    unsafe fn start_writes(
+        &mut self,
+        dev: Dev,
+        reqs: &[(u64, *const u8, usize)],
+    ) -> io::Result<()> {
+        let fd = self.fd(dev);
+        let mut sqes = Vec::with_capacity(reqs.len());
+        for &(off, ptr, len) in reqs {
+            // The kernel only reads from this memory for a write.
+            Self::split(fd, off, ptr as *mut u8, len, true, &mut sqes);
+        }
+        self.start_background(sqes)
+    }
+
+    fn wait_writes(&mut self) -> io::Result<()> {
+        let t = Instant::now();
+        let r = self.wait_background(true);
+        self.stats.write_wait += t.elapsed();
         r
     }
 
@@ -538,9 +588,10 @@ impl MergeIo for UringIo {
 
 impl Drop for UringIo {
     fn drop(&mut self) {
-        // Background reads still running would write into memory their
-        // owner may free next: reap them first.
+        // Background transfers still running would use memory their owner
+        // may free next: reap them first.
         let _ = self.wait_reads();
+        let _ = self.wait_writes();
         self.unregister();
     }
 }

@@ -562,3 +562,67 @@ fn engine_reads_during_merge() {
     assert!(reads.load(Ordering::Relaxed) > 50, "readers barely ran");
     assert!(std::fs::read(&base_path).unwrap() == new);
 }
+
+/// The engine's background writes: they run alongside background reads of
+/// other blocks (waited for separately, in either order), more entries than
+/// the queue holds, and a sync covers writes not waited for yet.
+#[test]
+fn uring_background_writes_alongside_reads() {
+    let dir = tempfile::tempdir().unwrap();
+    let (base_path, cow_path) = (dir.path().join("base"), dir.path().join("cow"));
+    let blocks = 64usize;
+    let old: Vec<u8> = (0..blocks * 4096).map(|i| (i / 4096) as u8).collect();
+    std::fs::write(&base_path, &old).unwrap();
+    std::fs::write(&cow_path, [0u8; 4096]).unwrap();
+    for direct in [false, true] {
+        std::fs::write(&base_path, &old).unwrap();
+        let io = UringIo::new(rw(&base_path), rw(&cow_path), 4).unwrap();
+        let mut io = if direct {
+            io.with_direct().unwrap()
+        } else {
+            io
+        };
+        let mut arena = engine::AlignedBuf::new(64 * 4096);
+        let (wbuf, rbuf) = arena.split_at_mut(32 * 4096);
+        wbuf.fill(0xee);
+        // Writes to even blocks 0..32 (16 entries, queue depth 4), reads
+        // of blocks 32..64 in 8 runs of 4.
+        let writes: Vec<(u64, *const u8, usize)> = (0..16)
+            .map(|i| ((2 * i * 4096) as u64, wbuf[i * 4096..].as_ptr(), 4096))
+            .collect();
+        let reads: Vec<(u64, *mut u8, usize)> = (0..8)
+            .map(|i| {
+                (
+                    ((32 + 4 * i) * 4096) as u64,
+                    rbuf[i * 4 * 4096..].as_mut_ptr(),
+                    4 * 4096,
+                )
+            })
+            .collect();
+        // SAFETY: `arena` outlives both waits below and nothing touches it
+        // meanwhile.
+        unsafe {
+            io.start_writes(Dev::Base, &writes).unwrap();
+            io.start_reads(Dev::Base, &reads).unwrap();
+        }
+        if direct {
+            io.wait_reads().unwrap();
+            io.wait_writes().unwrap();
+        } else {
+            io.wait_reads().unwrap();
+            // No wait_writes: the sync must cover them.
+            io.sync(Dev::Base).unwrap();
+        }
+        assert_eq!(&rbuf[..], &old[32 * 4096..], "direct {direct}");
+        let got = std::fs::read(&base_path).unwrap();
+        for b in 0..blocks {
+            let want = if b < 32 && b % 2 == 0 { 0xee } else { b as u8 };
+            assert!(
+                got[b * 4096..(b + 1) * 4096].iter().all(|&x| x == want),
+                "block {b}, direct {direct}"
+            );
+        }
+        let st = io.stats();
+        assert_eq!((st.writes, st.reads), (16, 8), "direct {direct}");
+    }
+}
