@@ -35,11 +35,19 @@
 //! it around the early blocks would cost more requests than the 7 MB it
 //! rewrites.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 use cow::OpKind;
 
-use super::Merge;
+use super::{BlockTable, Merge, NONE};
+
+/// Owner mark of a block two REPLACE/ZERO ops claim.
+const CLAIMED: u32 = NONE - 1;
+
+/// An op's index in a table (merge orders hold far fewer than 2^32 - 2 ops).
+fn index(i: usize) -> u32 {
+    u32::try_from(i).unwrap_or(CLAIMED).min(CLAIMED - 1)
+}
 
 /// Longest gap between two destination runs of a window filled with
 /// REPLACE/ZERO blocks, and longest extension of a run's end, in blocks.
@@ -96,36 +104,49 @@ impl Merge<'_> {
         if budget == 0 || start >= self.ordered {
             return plan;
         }
-        // The last ordered op reading each block.
-        let mut last_read: HashMap<u64, usize> = HashMap::new();
-        let mut ordered_dest: HashSet<u64> = HashSet::new();
+        let ops = self.order.len();
+        // The last ordered op reading each block; ordered destinations.
+        let mut last_read = BlockTable::new(self.blocks, ops);
+        let mut ordered_dest = BlockTable::new(self.blocks, ops);
         for (i, op) in self.order[..self.ordered].iter().enumerate() {
             for b in op.source_blocks() {
-                last_read.insert(b, i);
+                last_read.set(b, index(i));
             }
-            ordered_dest.insert(op.new_block);
+            ordered_dest.set(op.new_block, 0);
         }
         // REPLACE/ZERO destinations, each with its op; a block claimed by
         // two ops (which a valid COW does not have) is left to the REPLACE
         // phase.
-        let mut owner: HashMap<u64, Option<usize>> = HashMap::new();
+        let mut owner = BlockTable::new(self.blocks, ops);
         for (i, op) in self.order.iter().enumerate().skip(self.ordered) {
             if matches!(op.kind, OpKind::Replace | OpKind::Zero) {
                 for b in op.new_block..op.end_block() {
-                    owner.entry(b).and_modify(|o| *o = None).or_insert(Some(i));
+                    let mark = if owner.get(b) == NONE {
+                        index(i)
+                    } else {
+                        CLAIMED
+                    };
+                    owner.set(b, mark);
                 }
             }
         }
-        let mut taken: HashSet<u64> = HashSet::new();
+        // Blocks this plan writes early (any value but NONE).
+        let mut taken = BlockTable::new(self.blocks, ops);
         let mut pos = start;
         while pos < self.ordered {
             let (n, direct) = self.window_at(pos);
             // Readers of a block must all come before this limit.
             let limit = if direct { pos } else { pos + n };
-            let eligible = |b: u64, taken: &HashSet<u64>| -> Option<usize> {
-                let op = (*owner.get(&b)?)?;
-                let unread = last_read.get(&b).is_none_or(|&l| l < limit);
-                (unread && !taken.contains(&b) && !ordered_dest.contains(&b)).then_some(op)
+            let eligible = |b: u64, taken: &BlockTable| -> Option<usize> {
+                let op = owner.get(b);
+                let last = last_read.get(b);
+                let unread = last == NONE || (last as usize) < limit;
+                (op != NONE
+                    && op != CLAIMED
+                    && unread
+                    && taken.get(b) == NONE
+                    && ordered_dest.get(b) == NONE)
+                    .then_some(op as usize)
             };
             let mut dests: Vec<u64> = self.order[pos..pos + n]
                 .iter()
@@ -142,7 +163,7 @@ impl Merge<'_> {
                 let ops: Option<Vec<usize>> = (lo..hi).map(|b| eligible(b, &taken)).collect();
                 if let Some(ops) = ops {
                     for (b, op) in (lo..hi).zip(ops) {
-                        taken.insert(b);
+                        taken.set(b, 0);
                         mine.push((b, op));
                     }
                 }
@@ -155,22 +176,22 @@ impl Merge<'_> {
                 .copied()
                 .collect();
             ends.sort_unstable();
-            let written: HashSet<u64> = ends.iter().copied().collect();
+            let written = |b: u64| ends.binary_search(&b).is_ok();
             for &d in &ends {
-                if !written.contains(&(d + 1)) {
+                if !written(d + 1) {
                     let mut b = d + 1;
                     while b <= d + MAX_EXTEND && mine.len() < budget {
                         let Some(op) = eligible(b, &taken) else { break };
-                        taken.insert(b);
+                        taken.set(b, 0);
                         mine.push((b, op));
                         b += 1;
                     }
                 }
-                if d > 0 && !written.contains(&(d - 1)) {
+                if d > 0 && !written(d - 1) {
                     let mut b = d - 1;
                     while b + MAX_EXTEND >= d && mine.len() < budget {
                         let Some(op) = eligible(b, &taken) else { break };
-                        taken.insert(b);
+                        taken.set(b, 0);
                         mine.push((b, op));
                         let Some(prev) = b.checked_sub(1) else { break };
                         b = prev;
@@ -185,7 +206,7 @@ impl Merge<'_> {
         }
         for (k, op) in self.order[self.ordered..].iter().enumerate() {
             plan.done[k] = matches!(op.kind, OpKind::Replace | OpKind::Zero)
-                && (op.new_block..op.end_block()).all(|b| taken.contains(&b));
+                && (op.new_block..op.end_block()).all(|b| taken.get(b) != NONE);
         }
         plan
     }
