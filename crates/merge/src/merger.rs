@@ -94,7 +94,7 @@ pub struct MergeOptions {
     /// 2 MiB copy).
     pub direct_min_ops: usize,
     /// Longest direct window: it uses no scratch space, so only memory
-    /// bounds it (4 blocks of buffer per op); longer windows mean fewer
+    /// bounds it (6 blocks of buffer per op); longer windows mean fewer
     /// syncs.
     pub direct_max_ops: usize,
     /// REPLACE/ZERO batches (each at most `commit_ops` ops and 8 MiB)
@@ -638,26 +638,14 @@ impl<'a> Merge<'a> {
                 if !w.direct {
                     self.publish_scratch(io, at, w.n, blocks, &mut head)?;
                 }
-                self.begin_window(at, w.n, blocks);
-                let data: &[u8] = if w.arranged.in_sorted {
-                    sorteds[slot]
-                } else {
-                    blocks
-                };
-                let reqs: Vec<(u64, *const u8, usize)> = w
-                    .arranged
-                    .requests(data)
-                    .iter()
-                    .map(|&(off, d)| (off, d.as_ptr(), d.len()))
-                    .collect();
-                let first = reqs.first().map_or(0, |r| r.0);
                 // SAFETY: this slot's buffers are not touched until
                 // `wait_writes` below returned: the next window is assembled
                 // in the other slot, and every exit from here on waits for
                 // these writes (below, or after the loop) before the arena
                 // is released.
-                unsafe { io.start_writes(Dev::Base, &reqs) }
-                    .map_err(|e| self.base_io("write destinations", first, e))?;
+                let first = unsafe {
+                    self.start_destinations(io, at, w.n, blocks, sorteds[slot], &w.arranged)?
+                };
                 let next = at + w.n;
                 if next < self.ordered && !out_of_budget(commits + 1) {
                     let other = 1 - slot;
@@ -1004,17 +992,45 @@ impl<'a> Merge<'a> {
         data: WindowData<'_>,
         sorted: &mut [u8],
     ) -> Result<()> {
-        self.begin_window(pos, n, data.blocks);
         let arranged = self.arrange(pos, n, data, sorted);
-        let bytes: &[u8] = if arranged.in_sorted {
-            sorted
-        } else {
-            data.blocks
-        };
-        let reqs = arranged.requests(bytes);
+        // SAFETY: both buffers are borrowed until this function returns,
+        // after the writes were waited for.
+        let first = unsafe { self.start_destinations(io, pos, n, data.blocks, sorted, &arranged)? };
+        io.wait_writes()
+            .map_err(|e| self.base_io("write destinations", first, e))?;
+        io.sync(Dev::Base)
+            .map_err(|e| self.base_io("sync destinations", first, e))
+    }
+
+    /// Switch readers to the window's in-memory copy, then start writing
+    /// its destinations as `arranged` (over `sorted`, or over `blocks` when
+    /// they were in order already). Returns the first offset written, for
+    /// error messages.
+    ///
+    /// # Safety
+    /// `blocks` and `sorted` stay unchanged and alive until `wait_writes`
+    /// or `sync` returned.
+    unsafe fn start_destinations(
+        &self,
+        io: &mut dyn MergeIo,
+        pos: usize,
+        n: usize,
+        blocks: &[u8],
+        sorted: &[u8],
+        arranged: &Arranged,
+    ) -> Result<u64> {
+        self.begin_window(pos, n, blocks);
+        let data = if arranged.in_sorted { sorted } else { blocks };
+        let reqs: Vec<(u64, *const u8, usize)> = arranged
+            .requests(data)
+            .iter()
+            .map(|&(off, d)| (off, d.as_ptr(), d.len()))
+            .collect();
         let first = reqs.first().map_or(0, |r| r.0);
-        io.write_and_sync(Dev::Base, &reqs)
-            .map_err(|e| self.base_io("write destinations", first, e))
+        // SAFETY: forwarded from the caller.
+        unsafe { io.start_writes(Dev::Base, &reqs) }
+            .map_err(|e| self.base_io("write destinations", first, e))?;
+        Ok(first)
     }
 
     /// A window's blocks in destination order, cut into write runs: its
@@ -1139,14 +1155,14 @@ impl<'a> Merge<'a> {
 /// An op index (or a mark) per block: a vector when the blocks an update
 /// touches are few enough for one, else a map, so that an update of a huge
 /// sparse image costs memory by its ops, not by its size.
-pub(crate) enum BlockTable {
+enum BlockTable {
     Dense(Vec<u32>),
     Sparse(HashMap<u64, u32>),
 }
 
 impl BlockTable {
     /// A table for blocks below `blocks`, of an update with `ops` ops.
-    pub(crate) fn new(blocks: usize, ops: usize) -> Self {
+    fn new(blocks: usize, ops: usize) -> Self {
         // 16 Mi blocks (64 GiB of image, 64 MiB of table) are always
         // fine; beyond, only when the update itself is that big.
         if blocks <= (16 << 20).max(8 * ops) {
@@ -1157,7 +1173,7 @@ impl BlockTable {
     }
 
     /// The value of block `b`, [`NONE`] if it has none.
-    pub(crate) fn get(&self, b: u64) -> u32 {
+    fn get(&self, b: u64) -> u32 {
         match self {
             BlockTable::Dense(v) => usize::try_from(b)
                 .ok()
@@ -1168,7 +1184,7 @@ impl BlockTable {
     }
 
     /// Set block `b`'s value (a block past the table's end has none).
-    pub(crate) fn set(&mut self, b: u64, x: u32) {
+    fn set(&mut self, b: u64, x: u32) {
         match self {
             BlockTable::Dense(v) => {
                 if let Some(slot) = usize::try_from(b).ok().and_then(|b| v.get_mut(b)) {
@@ -1198,6 +1214,7 @@ fn conflicts(ordered: &[Op], blocks: usize) -> Vec<u32> {
     };
     let mut out = Vec::with_capacity(ordered.len());
     for (j, op) in ordered.iter().enumerate() {
+        // Past 2^32 - 1 ops every op conflicts (scratch windows): safe.
         let j = u32::try_from(j).unwrap_or(NONE - 1);
         let mut c = last_reader.get(op.new_block);
         for b in op.source_blocks() {

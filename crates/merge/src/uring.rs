@@ -65,12 +65,12 @@ pub struct UringIo {
     fixed: Option<(usize, usize)>,
     /// Background transfers (`start_reads`, `start_writes`): all of them,
     /// the next to submit, how many are in flight, how many reads and
-    /// writes have not completed, the first error, short transfers.
+    /// writes have not completed, the first error of each, short transfers.
     bg: Vec<Sqe>,
     bg_next: usize,
     bg_in_flight: usize,
     bg_left: [usize; 2],
-    bg_err: Option<io::Error>,
+    bg_err: [Option<io::Error>; 2],
     bg_short: Vec<usize>,
 }
 
@@ -111,7 +111,7 @@ impl UringIo {
             bg_next: 0,
             bg_in_flight: 0,
             bg_left: [0; 2],
-            bg_err: None,
+            bg_err: [None, None],
             bg_short: Vec::new(),
         })
     }
@@ -234,8 +234,9 @@ impl UringIo {
                 let i = (ud & !BG_TAG) as usize;
                 self.bg_left[kind(self.bg[i].write)] -= 1;
                 if res < 0 {
-                    if self.bg_err.is_none() && res != -libc::ECANCELED {
-                        self.bg_err = Some(io::Error::from_raw_os_error(-res));
+                    let err = &mut self.bg_err[kind(self.bg[i].write)];
+                    if err.is_none() && res != -libc::ECANCELED {
+                        *err = Some(io::Error::from_raw_os_error(-res));
                     }
                 } else if (res as usize) < self.bg[i].len {
                     self.bg_short.push(i);
@@ -436,15 +437,15 @@ impl UringIo {
     }
 
     /// Wait for every background read (`write` false) or write (true); the
-    /// first error of either wins. Entries are forgotten once both kinds
-    /// are done.
+    /// first error of that kind is returned. Entries are forgotten once both
+    /// kinds are done.
     fn wait_background(&mut self, write: bool) -> io::Result<()> {
         while self.bg_left[kind(write)] > 0 {
             self.fill_background(0)?;
             let fg = self.reap(self.bg_in_flight.div_ceil(2).max(1))?;
             debug_assert!(fg.is_empty(), "foreground completion outside run");
         }
-        let err = self.bg_err.take();
+        let err = self.bg_err[kind(write)].take();
         let (mine, others): (Vec<usize>, Vec<usize>) = std::mem::take(&mut self.bg_short)
             .into_iter()
             .partition(|&i| self.bg[i].write == write);

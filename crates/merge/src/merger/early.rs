@@ -44,9 +44,10 @@ use super::{BlockTable, Merge, NONE};
 /// Owner mark of a block two REPLACE/ZERO ops claim.
 const CLAIMED: u32 = NONE - 1;
 
-/// An op's index in a table (merge orders hold far fewer than 2^32 - 2 ops).
+/// An op's index in a table; `plan_early` plans nothing for a merge order
+/// too long for every index to fit below `CLAIMED`.
 fn index(i: usize) -> u32 {
-    u32::try_from(i).unwrap_or(CLAIMED).min(CLAIMED - 1)
+    i as u32
 }
 
 /// Longest gap between two destination runs of a window filled with
@@ -101,7 +102,7 @@ impl Merge<'_> {
             ..Default::default()
         };
         let budget = self.opts.early_blocks;
-        if budget == 0 || start >= self.ordered {
+        if budget == 0 || start >= self.ordered || self.order.len() >= CLAIMED as usize {
             return plan;
         }
         let ops = self.order.len();
