@@ -14,13 +14,30 @@ use crate::merger::{Merge, MergeOptions, STATE_DONE};
 
 /// Both files in memory. A write past the end of either is a bug in the
 /// merger (a device cannot grow, and the COW must not), so it panics.
+/// Background writes (`start_writes`) land only when waited for or synced,
+/// the latest an engine may let them land, while reads are served at once:
+/// a merge that read a block whose write it had started but not waited for
+/// would see the old bytes and end away from the snapshot.
 struct MemIo {
     base: Vec<u8>,
     cow: Vec<u8>,
     stats: IoStats,
+    /// Started writes not landed yet: (device, offset, data, length).
+    pending: Vec<(Dev, u64, *const u8, usize)>,
 }
 
 impl MemIo {
+    fn land(&mut self) -> io::Result<()> {
+        for (dev, off, ptr, len) in std::mem::take(&mut self.pending) {
+            // SAFETY: `start_writes`' caller keeps the memory valid and
+            // unchanged until `wait_writes` or `sync` returned; this runs
+            // inside those calls.
+            let data = unsafe { std::slice::from_raw_parts(ptr, len) };
+            self.write_many(dev, &[(off, data)])?;
+        }
+        Ok(())
+    }
+
     fn file(&mut self, dev: Dev) -> &mut Vec<u8> {
         match dev {
             Dev::Base => &mut self.base,
@@ -63,12 +80,27 @@ impl MergeIo for MemIo {
     }
 
     fn sync(&mut self, _dev: Dev) -> io::Result<()> {
+        self.land()?;
         self.stats.fsyncs += 1;
         Ok(())
     }
 
     fn stats(&self) -> IoStats {
         self.stats
+    }
+
+    unsafe fn start_writes(
+        &mut self,
+        dev: Dev,
+        reqs: &[(u64, *const u8, usize)],
+    ) -> io::Result<()> {
+        self.pending
+            .extend(reqs.iter().map(|&(off, ptr, len)| (dev, off, ptr, len)));
+        Ok(())
+    }
+
+    fn wait_writes(&mut self) -> io::Result<()> {
+        self.land()
     }
 }
 
@@ -122,12 +154,20 @@ pub fn exercise_merge(data: &[u8]) -> Checked {
         base,
         cow: data.to_vec(),
         stats: IoStats::default(),
+        pending: Vec::new(),
     };
     let Ok((pos, state)) = m.progress(&mut io) else {
         return Checked::Refused;
     };
     let fresh = pos == 0 && state != STATE_DONE;
-    let Ok(report) = m.run(&mut io, &|_, _| {}) else {
+    let run = m.run(&mut io, &|_, _| {});
+    // Every write a run starts is waited for before it returns (its buffers
+    // are freed then), whether it ends well or not.
+    assert!(
+        io.pending.is_empty(),
+        "a merge run returned with writes in flight"
+    );
+    let Ok(report) = run else {
         return Checked::Merged;
     };
     if !report.complete() {
@@ -135,6 +175,10 @@ pub fn exercise_merge(data: &[u8]) -> Checked {
     }
     let merged = io.base.clone();
     let again = m.run(&mut io, &|_, _| {});
+    assert!(
+        io.pending.is_empty(),
+        "a merge run returned with writes in flight"
+    );
     assert!(again.is_ok(), "a finished merge failed when run again");
     assert!(
         io.base == merged,
