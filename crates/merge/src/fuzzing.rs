@@ -14,30 +14,13 @@ use crate::merger::{Merge, MergeOptions, STATE_DONE};
 
 /// Both files in memory. A write past the end of either is a bug in the
 /// merger (a device cannot grow, and the COW must not), so it panics.
-/// Background writes (`start_writes`) land only when waited for or synced,
-/// the latest an engine may let them land, while reads are served at once:
-/// a merge that read a block whose write it had started but not waited for
-/// would see the old bytes and end away from the snapshot.
 struct MemIo {
     base: Vec<u8>,
     cow: Vec<u8>,
     stats: IoStats,
-    /// Started writes not landed yet: (device, offset, data, length).
-    pending: Vec<(Dev, u64, *const u8, usize)>,
 }
 
 impl MemIo {
-    fn land(&mut self) -> io::Result<()> {
-        for (dev, off, ptr, len) in std::mem::take(&mut self.pending) {
-            // SAFETY: `start_writes`' caller keeps the memory valid and
-            // unchanged until `wait_writes` or `sync` returned; this runs
-            // inside those calls.
-            let data = unsafe { std::slice::from_raw_parts(ptr, len) };
-            self.write_many(dev, &[(off, data)])?;
-        }
-        Ok(())
-    }
-
     fn file(&mut self, dev: Dev) -> &mut Vec<u8> {
         match dev {
             Dev::Base => &mut self.base,
@@ -80,13 +63,68 @@ impl MergeIo for MemIo {
     }
 
     fn sync(&mut self, _dev: Dev) -> io::Result<()> {
-        self.land()?;
         self.stats.fsyncs += 1;
         Ok(())
     }
 
     fn stats(&self) -> IoStats {
         self.stats
+    }
+}
+
+/// A disk whose background writes (`start_writes`) land only when waited
+/// for or synced, the latest an engine may let them land, while reads are
+/// served at once. A merge that read a block whose write it had started but
+/// not waited for would see the old bytes there and end away from the new
+/// image. Used by the merge fuzz target and the merge tests.
+pub struct LateWrites<I> {
+    pub inner: I,
+    /// Started writes not landed yet: (device, offset, data, length).
+    pending: Vec<(Dev, u64, *const u8, usize)>,
+}
+
+impl<I: MergeIo> LateWrites<I> {
+    pub fn new(inner: I) -> Self {
+        LateWrites {
+            inner,
+            pending: Vec::new(),
+        }
+    }
+
+    /// Writes started and not waited for. A merge run waits for all of its
+    /// own before it returns (its buffers are freed then).
+    pub fn in_flight(&self) -> usize {
+        self.pending.len()
+    }
+
+    fn land(&mut self) -> io::Result<()> {
+        for (dev, off, ptr, len) in std::mem::take(&mut self.pending) {
+            // SAFETY: `start_writes`' caller keeps the memory valid and
+            // unchanged until `wait_writes` or `sync` returned; this runs
+            // inside those calls.
+            let data = unsafe { std::slice::from_raw_parts(ptr, len) };
+            self.inner.write_many(dev, &[(off, data)])?;
+        }
+        Ok(())
+    }
+}
+
+impl<I: MergeIo> MergeIo for LateWrites<I> {
+    fn read_many(&mut self, dev: Dev, reqs: &mut [(u64, &mut [u8])]) -> io::Result<()> {
+        self.inner.read_many(dev, reqs)
+    }
+
+    fn write_many(&mut self, dev: Dev, reqs: &[(u64, &[u8])]) -> io::Result<()> {
+        self.inner.write_many(dev, reqs)
+    }
+
+    fn sync(&mut self, dev: Dev) -> io::Result<()> {
+        self.land()?;
+        self.inner.sync(dev)
+    }
+
+    fn stats(&self) -> IoStats {
+        self.inner.stats()
     }
 
     unsafe fn start_writes(
@@ -150,12 +188,11 @@ pub fn exercise_merge(data: &[u8]) -> Checked {
     let Ok(m) = Merge::new(&r, base_size, base_path, MergeOptions::default()) else {
         return Checked::Refused;
     };
-    let mut io = MemIo {
+    let mut io = LateWrites::new(MemIo {
         base,
         cow: data.to_vec(),
         stats: IoStats::default(),
-        pending: Vec::new(),
-    };
+    });
     let Ok((pos, state)) = m.progress(&mut io) else {
         return Checked::Refused;
     };
@@ -164,7 +201,7 @@ pub fn exercise_merge(data: &[u8]) -> Checked {
     // Every write a run starts is waited for before it returns (its buffers
     // are freed then), whether it ends well or not.
     assert!(
-        io.pending.is_empty(),
+        io.in_flight() == 0,
         "a merge run returned with writes in flight"
     );
     let Ok(report) = run else {
@@ -173,15 +210,15 @@ pub fn exercise_merge(data: &[u8]) -> Checked {
     if !report.complete() {
         return Checked::Merged;
     }
-    let merged = io.base.clone();
+    let merged = io.inner.base.clone();
     let again = m.run(&mut io, &|_, _| {});
     assert!(
-        io.pending.is_empty(),
+        io.in_flight() == 0,
         "a merge run returned with writes in flight"
     );
     assert!(again.is_ok(), "a finished merge failed when run again");
     assert!(
-        io.base == merged,
+        io.inner.base == merged,
         "a finished merge changed the base when run again"
     );
     match expected {

@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use common::*;
 use cow::{Codec, CowReader, CowWriter, WriterOptions};
+use merge::fuzzing::LateWrites;
 use merge::view::MergingView;
 use merge::{Dev, Merge, MergeIo, MergeOptions, MergeStatus, UringIo};
 
@@ -663,11 +664,15 @@ fn writes_landing_late_change_nothing() {
             }
             let r = CowReader::open(&cow_path).unwrap();
             let m = Merge::new(&r, old.len() as u64, PathBuf::from("base"), opts).unwrap();
-            let mut lazy = LazyWrites::new(SimDisk::new(old.clone(), cow_bytes.clone(), None));
+            let mut lazy = LateWrites::new(SimDisk::new(old.clone(), cow_bytes.clone(), None));
             let rep = m.run(&mut lazy, &|_, _| {}).unwrap();
+            assert_eq!(lazy.in_flight(), 0);
             assert!(rep.complete(), "{rep:?}");
-            assert!(lazy.disk.after_crash(Crash::PowerLoss).0 == new, "{opts:?}");
-            assert_eq!(lazy.disk.trace.len(), sim.trace.len(), "{opts:?}");
+            assert!(
+                lazy.inner.after_crash(Crash::PowerLoss).0 == new,
+                "{opts:?}"
+            );
+            assert_eq!(lazy.inner.trace.len(), sim.trace.len(), "{opts:?}");
         }
     }
 }

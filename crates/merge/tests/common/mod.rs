@@ -162,68 +162,6 @@ impl MergeIo for SimDisk {
     }
 }
 
-/// A [`SimDisk`] whose background writes (`start_writes`) land only when
-/// they are waited for or synced, while reads are served at once: the
-/// latest a real engine may let them land. A merge that reads a block
-/// while a write to it may still be in flight sees the old bytes here.
-pub struct LazyWrites {
-    pub disk: SimDisk,
-    pending: Vec<(Dev, u64, *const u8, usize)>,
-}
-
-impl LazyWrites {
-    pub fn new(disk: SimDisk) -> Self {
-        LazyWrites {
-            disk,
-            pending: Vec::new(),
-        }
-    }
-
-    fn land(&mut self) -> io::Result<()> {
-        for (dev, off, ptr, len) in std::mem::take(&mut self.pending) {
-            // SAFETY: `start_writes`' caller keeps the memory valid and
-            // unchanged until `wait_writes` or `sync` returned; this runs
-            // inside those calls.
-            let data = unsafe { std::slice::from_raw_parts(ptr, len) };
-            self.disk.write_many(dev, &[(off, data)])?;
-        }
-        Ok(())
-    }
-}
-
-impl MergeIo for LazyWrites {
-    fn read_many(&mut self, dev: Dev, reqs: &mut [(u64, &mut [u8])]) -> io::Result<()> {
-        self.disk.read_many(dev, reqs)
-    }
-
-    fn write_many(&mut self, dev: Dev, reqs: &[(u64, &[u8])]) -> io::Result<()> {
-        self.disk.write_many(dev, reqs)
-    }
-
-    fn sync(&mut self, dev: Dev) -> io::Result<()> {
-        self.land()?;
-        self.disk.sync(dev)
-    }
-
-    fn stats(&self) -> IoStats {
-        self.disk.stats()
-    }
-
-    unsafe fn start_writes(
-        &mut self,
-        dev: Dev,
-        reqs: &[(u64, *const u8, usize)],
-    ) -> io::Result<()> {
-        self.pending
-            .extend(reqs.iter().map(|&(off, ptr, len)| (dev, off, ptr, len)));
-        Ok(())
-    }
-
-    fn wait_writes(&mut self) -> io::Result<()> {
-        self.land()
-    }
-}
-
 /// Deterministic pseudo-random bytes.
 pub fn noise(seed: u64, len: usize) -> Vec<u8> {
     let mut v = vec![0u8; len];
