@@ -51,7 +51,7 @@ VABC=${CARGO_TARGET_DIR:-target}/release/vabc
 CODEC=${CODEC:-lz4}
 COW=$WORK/$PAIR.${CODEC//:/-}.cow
 [ -f "$COW" ] && [ "$COW" -nt "$NEW" ] || "$VABC" diff --compression "$CODEC" "$OLD" "$NEW" -o "$COW" >/dev/null
-SIZE=$(stat -c %s "$NEW")
+SIZE=$(stat -L -c %s "$NEW")
 
 # Every stack is set up once and stays up for the whole run, so that each job runs
 # on all configs back to back: a ratio compares measurements seconds apart, not
@@ -269,7 +269,7 @@ ratios() {
 	echo "$(median %.2f "${vals[@]}")$out"
 }
 echo
-echo "pair $PAIR: new.ext4.img $((SIZE / 1048576)) MiB, COW $(($(stat -c %s "$COW") / 1048576)) MiB ($CODEC); $(nproc) CPUs, load $(cut -d' ' -f1 /proc/loadavg)"
+echo "pair $PAIR: new.ext4.img $((SIZE / 1048576)) MiB, COW $(($(stat -L -c %s "$COW") / 1048576)) MiB ($CODEC); $(nproc) CPUs, load $(cut -d' ' -f1 /proc/loadavg)"
 echo
 echo "| config | seq 1M QD1 MiB/s | seq 1M QD8 MiB/s | rand 4K QD1 IOPS | rand 4K QD32 IOPS | page-cache copies after one full read (MiB per layer) |"
 echo "|---|---|---|---|---|---|"
