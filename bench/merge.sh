@@ -19,9 +19,10 @@
 # leaves the payloads out, as this bench did before 2026-11-24's
 # thirteenth session, so that older ratios stay comparable. "MB written"
 # counts the scratch-area copies the crash protocol makes (every COPY/XOR
-# block is written twice); the limit does not. The protocol floor adds one measured write+fdatasync latency per
-# sync the run made: the scratch protocol (AOSP's layout, one 2 MiB scratch
-# area) needs 4 serial syncs per window, which no engine can overlap.
+# block is written twice); the limit does not. The protocol floor adds
+# one measured write+fdatasync latency per sync the run made: the scratch
+# protocol (AOSP's layout, one 2 MiB scratch area) needs 4 serial syncs per
+# window, which no engine can overlap.
 # Engines: sync (per-op baseline), uring-buffered (`--buffered`: through the
 # page cache), uring (the default: O_DIRECT for aligned transfers). The
 # "waits" column splits the run's wall time into time blocked on reads,
@@ -55,7 +56,7 @@ while getopts "p:c:w:" opt; do
 	p) PAIRS=$OPTARG ;;
 	c) CORPUS=$OPTARG ;;
 	w) WORK=$OPTARG ;;
-	*) sed -n '2,40p' "$0" >&2; exit 2 ;;
+	*) sed -n '2,41p' "$0" >&2; exit 2 ;;
 	esac
 done
 command -v fio >/dev/null || { echo "missing fio (apt-get install fio)" >&2; exit 1; }
