@@ -33,10 +33,11 @@
 # share of CPU time the hypervisor gave to other guests during the run.
 # Rounds (ROUNDS, default 3): this virtual disk's speed drifts by tens of
 # percent from minute to minute, so each round measures fio's bandwidth
-# again right after its uring merge (not only before the sync baseline,
-# which takes 15-30 s) and gives the ratio to its own limit; the
-# summary is the median of the rounds' ratios. Every round runs the sync
-# baseline too, so that each speedup compares runs minutes apart at most.
+# and the write + fdatasync latency again right after its uring merge (not
+# only before the sync baseline, which takes 15-30 s) and gives the ratios
+# to its own limit and floor; the summary is the median of the rounds'
+# ratios. Every round runs the sync baseline too, so that each speedup
+# compares runs minutes apart at most.
 #
 # Usage: [CODEC=lz4] [DIFF_ARGS=...] [ROUNDS=3] [STEAL_MAX=5] bench/merge.sh [-p "medium system"] [-c CORPUS_DIR] [-w WORKDIR]
 # Needs (Debian): fio; the corpus is built with ../shared/corpus/make-corpus.sh.
@@ -57,7 +58,7 @@ while getopts "p:c:w:" opt; do
 	p) PAIRS=$OPTARG ;;
 	c) CORPUS=$OPTARG ;;
 	w) WORK=$OPTARG ;;
-	*) sed -n '2,41p' "$0" >&2; exit 2 ;;
+	*) sed -n '2,43p' "$0" >&2; exit 2 ;;
 	esac
 done
 command -v fio >/dev/null || { echo "missing fio (apt-get install fio)" >&2; exit 1; }
@@ -88,23 +89,28 @@ fio_bw() {
 		--rw="$1" --end_fsync=1 --output-format=json 2>/dev/null |
 		python3 -c "import json,sys; j=json.load(sys.stdin)['jobs'][0]; print(int(j['$1']['bw_bytes']))"
 }
+# Latency of one 4 KiB write + fdatasync, seconds: the price of each
+# durability step of the crash protocol (4 per scratch window, 2 per direct
+# window or REPLACE/ZERO commit). It drifts like the bandwidth (0.13-0.58
+# ms between runs), so it is measured with it.
+fsync_lat() {
+	fio --name=fs --filename="$WORK/fsync.dat" --size=8M --bs=4k --rw=randwrite --ioengine=psync --direct=1 \
+		--fdatasync=1 --number_ios=300 --output-format=json 2>/dev/null |
+		python3 -c "import json,sys; j=json.load(sys.stdin)['jobs'][0]; print(j['sync']['lat_ns']['mean'] / 1e9 + j['write']['lat_ns']['mean'] / 1e9)"
+	rm -f "$WORK/fsync.dat"
+}
 measure_bw() {
 	fio --name=prep --filename="$WORK/fio.dat" --size=1G --bs=1M --rw=write --end_fsync=1 >/dev/null 2>&1
 	READ_BW=$(fio_bw read)
 	WRITE_BW=$(fio_bw write)
 	rm -f "$WORK/fio.dat"
+	FSYNC_S=$(fsync_lat)
 	# Only the measurement the uring ratio uses is listed under the table.
 	[ "${1:-}" = uring ] || return 0
-	BWS+=("$(printf '%.0f/%.0f' "$(echo "$READ_BW / 1048576" | bc -l)" "$(echo "$WRITE_BW / 1048576" | bc -l)")")
+	BWS+=("$(printf '%.0f/%.0f/%.2f' "$(echo "$READ_BW / 1048576" | bc -l)" "$(echo "$WRITE_BW / 1048576" | bc -l)" "$(echo "$FSYNC_S * 1000" | bc -l)")")
 }
 BWS=()
 median() { sort -g | awk '{v[NR] = $1} END {if (NR == 0) print "-"; else if (NR % 2) print v[(NR + 1) / 2]; else print (v[NR / 2] + v[NR / 2 + 1]) / 2}'; }
-# Latency of one 4 KiB write + fdatasync: the price of each durability step
-# of the crash protocol (4 per scratch window, 2 per REPLACE/ZERO commit).
-FSYNC_S=$(fio --name=fs --filename="$WORK/fsync.dat" --size=8M --bs=4k --rw=randwrite --ioengine=psync --direct=1 \
-	--fdatasync=1 --number_ios=300 --output-format=json 2>/dev/null |
-	python3 -c "import json,sys; j=json.load(sys.stdin)['jobs'][0]; print(j['sync']['lat_ns']['mean'] / 1e9 + j['write']['lat_ns']['mean'] / 1e9)")
-rm -f "$WORK/fsync.dat"
 
 echo "| pair | round | engine | ops | seconds | waits read/write/sync s | syscalls | fsyncs | MB read | MB written (incl. scratch) | device limit s | vs limit | vs base-only limit | protocol floor s | vs floor | speedup vs sync | CPU steal |"
 echo "|---|---:|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
@@ -191,7 +197,7 @@ done
 printf '\n'
 printf -- '- %s\n' "${summary[@]}"
 if [ ${#notes[@]} -gt 0 ]; then printf -- '- %s\n' "${notes[@]}"; fi
-printf '\nfio on this filesystem, read/write MB/s per round, right after the uring merge (1 MiB, O_DIRECT): %s; 4 KiB O_DIRECT write + fdatasync %.2f ms\n' \
-	"${BWS[*]}" "$(echo "$FSYNC_S * 1000" | bc -l)"
+printf '\nfio on this filesystem per round, right after the uring merge: read/write MB/s (1 MiB, O_DIRECT) / 4 KiB O_DIRECT write + fdatasync ms: %s\n' \
+	"${BWS[*]}"
 echo "command: CODEC=$CODEC DIFF_ARGS=\"$DIFF_ARGS\" ROUNDS=$ROUNDS bench/merge.sh -p \"$PAIRS\"   ($(nproc) cores, $(uname -sr), load $(cut -d' ' -f1-3 /proc/loadavg))"
 rm -f "$WORK/base.img" "$WORK/merge.cow"
