@@ -88,7 +88,14 @@ pub struct UringOptions {
     /// measured with the asynchronous threads, which also leave the readahead and the
     /// workers unpinned).
     pub pin: bool,
+    /// How long an asynchronous queue thread polls its ring before sleeping while
+    /// small reads are in flight (zero: never). See [`async_queue`] for why.
+    pub poll: Duration,
 }
+
+/// Default of [`UringOptions::poll`], chosen by measurement (bench/RESULTS.md, fifteenth
+/// session).
+pub const DEFAULT_POLL: Duration = Duration::from_micros(50);
 
 impl Default for UringOptions {
     fn default() -> Self {
@@ -100,6 +107,7 @@ impl Default for UringOptions {
             sync_workers: 8,
             readahead: Some(ReadaheadOptions::default()),
             pin: false,
+            poll: DEFAULT_POLL,
         }
     }
 }
@@ -374,6 +382,7 @@ impl FuseUringExport {
                     async_mode: jobs.as_ref().map(|jobs| async_queue::AsyncParts {
                         planned: planned.clone(),
                         jobs: jobs.clone(),
+                        poll: opts.poll,
                     }),
                 };
                 let tx = tx.clone();

@@ -2,7 +2,8 @@
 //! `O_DIRECT` readers of random ranges through the mounted file, byte for byte, with the
 //! counters proving the reads went through read plans on the queue rings; and an engine
 //! with a merge hook, which must not be planned and still serve the same bytes; and the
-//! synchronous design, still selectable.
+//! synchronous design, still selectable. The queue threads poll their rings by default;
+//! the vectors are served alternately with and without polling.
 //!
 //! Needs root and a kernel with CONFIG_FUSE_IO_URING; switches
 //! /sys/module/fuse/parameters/enable_uring on (it only lets FUSE servers that ask for
@@ -92,13 +93,22 @@ fn aosp_vectors_under_concurrent_direct_reads_are_planned() {
     cows.sort();
     assert!(cows.len() >= 10, "{cows:?}");
     let tmp = tempfile::tempdir().unwrap();
-    for cow in cows {
+    for (i, cow) in cows.into_iter().enumerate() {
         let opts = CowEngineOptions {
             size: Some(want.len() as u64),
             ..Default::default()
         };
         let engine = CowEngine::open(&v.join("base.img"), &cow, &opts).unwrap();
-        let export = mount(Arc::new(engine), tmp.path());
+        // Every other vector without polling: both ways of waiting for completions.
+        let uopts = UringOptions {
+            poll: if i % 2 == 0 {
+                std::time::Duration::ZERO
+            } else {
+                super::DEFAULT_POLL
+            },
+            ..UringOptions::default()
+        };
+        let export = mount_with(Arc::new(engine), tmp.path(), &uopts);
         let issued = random_direct_reads(export.file_path(), &want, 8, 60);
         let s = export.stats();
         export.unmount().unwrap();
