@@ -10,8 +10,8 @@
 //! thread's own ring, straight into the entry's payload buffer (or a scratch buffer),
 //! next to the FUSE commands, and the thread goes on with the next completion. When the
 //! last read of a request completes, the engine finishes it (XOR, decompression) and the
-//! answer is committed. One `io_uring_enter` per loop iteration submits every new read
-//! and commit and waits for the next completion.
+//! answer is committed. Each loop iteration submits every new read and commit at once
+//! and waits for the next completion.
 //!
 //! While one of its requests is in flight, the thread first polls the ring for a short while
 //! ([`AsyncParts::poll`]) before it sleeps: their completions and the next requests are
@@ -62,10 +62,10 @@ pub(crate) struct AsyncParts {
 
 /// Requests in flight on a thread from which it polls. Measured at random 4 KiB QD32 (2
 /// vCPUs): polling from 1 gained 17% IOPS over not polling, from 2 only 5-7% (the less
-/// busy queue rarely holds two), and also polling with none in flight 13-14% while
-/// spinning between requests at QD1 (+30 µs of CPU per request there, against +19 µs
-/// from 1). Requests with a worker count too: sequential 1 MiB reads at QD8 gained 4-23%
-/// (three alternating runs), at QD1 nothing.
+/// busy queue rarely holds two). Polling with none in flight too gained 13-14%, but at
+/// QD1 it spins between requests: +30 µs of CPU per request there, against +19 µs when
+/// polling from 1. Requests with a worker count too: sequential 1 MiB reads at QD8
+/// gained 4-23% (three alternating runs), at QD1 nothing.
 const POLL_MIN_INFLIGHT: usize = 1;
 
 /// Submission queue size for `entries` ring entries: a FUSE command per entry plus a
