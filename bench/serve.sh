@@ -3,8 +3,9 @@
 # the same run (notes/serving.md explains the stacks):
 #   loop-raw  a loop device (direct I/O) on the raw new.img: the limit of this machine
 #   vabc      vabc serve --fuse (base + COW) + loop device (direct I/O)
-#   vabc-uring  the same over FUSE-over-io_uring (--fuse-uring; turns the kernel switch
-#             /sys/module/fuse/parameters/enable_uring on for the run, then back)
+#   vabc-uring  the same over FUSE-over-io_uring (--fuse-uring, with its default ring
+#             poll; turns the kernel switch /sys/module/fuse/parameters/enable_uring on
+#             for the run, then back)
 #   qsd       qemu-storage-daemon's FUSE export of the raw new.img + loop (direct I/O):
 #             a peer that serves a plain file, so an upper bound for a FUSE daemon
 # Data: the corpus pair `system` (ext4), COW made with `vabc diff` (v3, lz4, default
