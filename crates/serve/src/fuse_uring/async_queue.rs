@@ -13,9 +13,9 @@
 //! answer is committed. Each loop iteration submits every new read and commit at once
 //! and waits for the next completion.
 //!
-//! While one of its requests is in flight, the thread first polls the ring for a short while
-//! ([`AsyncParts::poll`]) before it sleeps: their completions and the next requests are
-//! tens of microseconds away, and sleeping costs more than that. On a VM an idle vCPU
+//! While one of its planned reads is in flight, the thread first polls the ring for a
+//! short while ([`AsyncParts::poll`]) before it sleeps: the completions and the next
+//! requests are tens of microseconds away, and sleeping costs more than that. On a VM an idle vCPU
 //! halts, and waking it goes through the hypervisor; the chain of such wake-ups per
 //! request (loop worker, this thread, the completion) left half of the CPU time idle at
 //! queue depth 32 with the disk below its rate (bench/RESULTS.md, fifteenth session).
@@ -55,17 +55,18 @@ pub(crate) struct AsyncParts {
     /// Requests for the worker pool.
     pub(crate) jobs: Sender<Job>,
     /// How long to poll the ring for completions before sleeping, while at least
-    /// [`POLL_MIN_INFLIGHT`] requests are in flight (planned reads or with a worker;
-    /// zero: never poll).
+    /// [`POLL_MIN_INFLIGHT`] planned reads are in flight (zero: never poll).
     pub(crate) poll: Duration,
 }
 
-/// Requests in flight on a thread from which it polls. Measured at random 4 KiB QD32 (2
-/// vCPUs): polling from 1 gained 17% IOPS over not polling, from 2 only 5-7% (the less
-/// busy queue rarely holds two). Polling with none in flight too gained 13-14%, but at
-/// QD1 it spins between requests: +30 µs of CPU per request there, against +19 µs when
-/// polling from 1. Requests with a worker count too: sequential 1 MiB reads at QD8
-/// gained 4-23% (three alternating runs), at QD1 nothing.
+/// Planned reads in flight on a thread from which it polls. Measured at random 4 KiB
+/// QD32 (2 vCPUs, each variant run both first and second in alternating pairs, since the
+/// second of two runs of the same image tends to be faster here): polling from 1 gained
+/// 10-13% IOPS over not polling; from 2, 5-7% (the less busy queue rarely holds two).
+/// Polling with none in flight costs CPU at QD1, where it spins between requests (+30
+/// µs per request, against +19 µs from 1). Requests with a worker (large reads) do not
+/// count: polling for them gained nothing at sequential 1 MiB QD8 (-5% on average over
+/// both orders), and spinning takes a CPU from the workers.
 const POLL_MIN_INFLIGHT: usize = 1;
 
 /// Submission queue size for `entries` ring entries: a FUSE command per entry plus a
@@ -250,7 +251,10 @@ pub(crate) fn serve(
         if !event_armed {
             event_armed = s.arm_event(ring, &mut counter);
         }
-        let inflight = slots.iter().filter(|s| s.req.is_some()).count();
+        let inflight = slots
+            .iter()
+            .filter(|s| s.req.is_some() && !s.worker)
+            .count();
         if !parts.poll.is_zero() && inflight >= POLL_MIN_INFLIGHT {
             if let Err(e) = poll(ring, parts.poll) {
                 eprintln!("vabc serve: FUSE io_uring queue {}: {e}", q.qid);

@@ -89,7 +89,7 @@ pub struct UringOptions {
     /// workers unpinned).
     pub pin: bool,
     /// How long an asynchronous queue thread polls its ring before sleeping while
-    /// one of its requests is in flight (zero: never). See [`async_queue`] for why.
+    /// one of its small reads is in flight (zero: never). See [`async_queue`] for why.
     pub poll: Duration,
 }
 

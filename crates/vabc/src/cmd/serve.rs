@@ -36,7 +36,7 @@ pub struct Args {
     #[arg(long)]
     pub fuse_uring: bool,
     /// With --fuse-uring: microseconds a queue thread polls its ring for completions
-    /// before sleeping, while one of its requests is in flight (0: never poll).
+    /// before sleeping, while one of its small reads is in flight (0: never poll).
     /// Trades some CPU for latency: waking a sleeping thread, on a VM a halted vCPU,
     /// takes longer than the completions take to arrive under load.
     #[arg(long, value_name = "US", default_value_t = serve::fuse_uring::DEFAULT_POLL.as_micros() as u64, requires = "fuse_uring")]
