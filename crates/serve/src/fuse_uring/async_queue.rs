@@ -59,14 +59,15 @@ pub(crate) struct AsyncParts {
     pub(crate) poll: Duration,
 }
 
-/// Planned reads in flight on a thread from which it polls. Measured at random 4 KiB
-/// QD32 (2 vCPUs, each variant run both first and second in alternating pairs, since the
-/// second of two runs of the same image tends to be faster here): polling from 1 gained
-/// 10-13% IOPS over not polling; from 2, 5-7% (the less busy queue rarely holds two).
-/// Polling with none in flight costs CPU at QD1, where it spins between requests (+30
-/// µs per request, against +19 µs from 1). Requests with a worker (large reads) do not
-/// count: polling for them gained nothing at sequential 1 MiB QD8 (-5% on average over
-/// both orders), and spinning takes a CPU from the workers.
+/// Planned reads in flight on a thread from which it polls. At random 4 KiB QD32 (2
+/// vCPUs) polling from 1 gained 11% IOPS on average over not polling, with each build
+/// run both first and second in alternating pairs (the second of two runs of the same
+/// image tends to be faster here); from 2, only 5-7% in pairs where it ran second (the
+/// less busy queue rarely holds two). Polling with none in flight costs CPU at QD1,
+/// where it spins between requests (+30 µs per request, against +19 µs from 1).
+/// Requests with a worker (large reads) do not count: polling for them gained nothing
+/// at sequential 1 MiB QD8 (-5% on average over both orders), and spinning takes a CPU
+/// from the workers.
 const POLL_MIN_INFLIGHT: usize = 1;
 
 /// Submission queue size for `entries` ring entries: a FUSE command per entry plus a
