@@ -15,10 +15,11 @@
 //!
 //! While one of its planned reads is in flight, the thread first polls the ring for a
 //! short while ([`AsyncParts::poll`]) before it sleeps: the completions and the next
-//! requests are tens of microseconds away, and sleeping costs more than that. On a VM an idle vCPU
-//! halts, and waking it goes through the hypervisor; the chain of such wake-ups per
-//! request (loop worker, this thread, the completion) left half of the CPU time idle at
-//! queue depth 32 with the disk below its rate (bench/RESULTS.md, fifteenth session).
+//! requests are tens of microseconds away, and sleeping costs more than that. On a VM
+//! an idle vCPU halts, and waking it goes through the hypervisor; the chain of such
+//! wake-ups per request (loop worker, this thread, the completion) left half of the CPU
+//! time idle at queue depth 32 with the disk below its rate (bench/RESULTS.md,
+//! fifteenth session).
 //!
 //! What cannot be planned (a device with a merge hook or a verifier, devices that are
 //! not a `CowEngine`) and large READs (sequential streams, which the readahead wrapper
@@ -54,21 +55,20 @@ pub(crate) struct AsyncParts {
     pub(crate) planned: Arc<dyn BlockDevice>,
     /// Requests for the worker pool.
     pub(crate) jobs: Sender<Job>,
-    /// How long to poll the ring for completions before sleeping, while at least
-    /// [`POLL_MIN_INFLIGHT`] planned reads are in flight (zero: never poll).
+    /// How long to poll the ring for completions before sleeping, while a planned read
+    /// is in flight (zero: never poll).
+    ///
+    /// At random 4 KiB QD32 (2 vCPUs) polling from one planned read in flight gained
+    /// 11% IOPS on average over not polling, with each build run both first and second
+    /// in alternating pairs (the second of two runs of the same image tends to be faster
+    /// here); from two, only 5-7% in pairs where it ran second (the less busy queue
+    /// rarely holds two). Polling with nothing in flight costs CPU at QD1, where it
+    /// spins between requests (+30 µs per request, against +19 µs from one). Requests
+    /// with a worker (large reads) do not count: polling for them gained nothing at
+    /// sequential 1 MiB QD8 (-5% on average over both orders), and spinning takes a CPU
+    /// from the workers.
     pub(crate) poll: Duration,
 }
-
-/// Planned reads in flight on a thread from which it polls. At random 4 KiB QD32 (2
-/// vCPUs) polling from 1 gained 11% IOPS on average over not polling, with each build
-/// run both first and second in alternating pairs (the second of two runs of the same
-/// image tends to be faster here); from 2, only 5-7% in pairs where it ran second (the
-/// less busy queue rarely holds two). Polling with none in flight costs CPU at QD1,
-/// where it spins between requests (+30 µs per request, against +19 µs from 1).
-/// Requests with a worker (large reads) do not count: polling for them gained nothing
-/// at sequential 1 MiB QD8 (-5% on average over both orders), and spinning takes a CPU
-/// from the workers.
-const POLL_MIN_INFLIGHT: usize = 1;
 
 /// Submission queue size for `entries` ring entries: a FUSE command per entry plus a
 /// few reads per planned request; a fuller queue is submitted early ([`push`]).
@@ -252,11 +252,7 @@ pub(crate) fn serve(
         if !event_armed {
             event_armed = s.arm_event(ring, &mut counter);
         }
-        let inflight = slots
-            .iter()
-            .filter(|s| s.req.is_some() && !s.worker)
-            .count();
-        if !parts.poll.is_zero() && inflight >= POLL_MIN_INFLIGHT {
+        if !parts.poll.is_zero() && slots.iter().any(|s| s.req.is_some() && !s.worker) {
             if let Err(e) = poll(ring, parts.poll) {
                 eprintln!("vabc serve: FUSE io_uring queue {}: {e}", q.qid);
                 break;

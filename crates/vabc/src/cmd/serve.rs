@@ -14,6 +14,9 @@ use serve::fuse::{FuseExport, FuseOptions};
 use serve::mount::{FsType, MountOptions, MountStack};
 use serve::nbd::{NbdAddr, NbdOptions, NbdServer};
 
+/// Default of `--fuse-uring-poll`, in the flag's unit.
+const DEFAULT_POLL_US: u64 = serve::fuse_uring::DEFAULT_POLL.as_micros() as u64;
+
 #[derive(clap::Args, Debug)]
 #[command(group(clap::ArgGroup::new("frontend").required(true).multiple(true).args(["fuse", "mount", "nbd", "ublk"])))]
 pub struct Args {
@@ -39,7 +42,7 @@ pub struct Args {
     /// before sleeping, while one of its small reads is in flight (0: never poll).
     /// Trades some CPU for latency: waking a sleeping thread, on a VM a halted vCPU,
     /// takes longer than the completions take to arrive under load.
-    #[arg(long, value_name = "US", default_value_t = serve::fuse_uring::DEFAULT_POLL.as_micros() as u64, requires = "fuse_uring")]
+    #[arg(long, value_name = "US", default_value_t = DEFAULT_POLL_US, requires = "fuse_uring")]
     pub fuse_uring_poll: u64,
     /// Mount the new image's file system read-only on TARGET (FUSE + loop for ext4,
     /// file-backed mount for EROFS).
