@@ -23,7 +23,9 @@
 # time the hypervisor stole (/proc/stat); a round where it exceeded STEAL_MAX percent
 # (default 5) for either side of a ratio is marked: on a shared host those rounds
 # measure the neighbours, so the median of the other rounds is given too. EXTRA
-# (default 0) more rounds are run while fewer than ROUNDS were free of steal.
+# (default 0) more rounds are run while fewer than ROUNDS were free of steal. Each
+# round's own figures follow the table, each with the KiB per read that reached the
+# disk: the loop-on-raw anchor moves between two speeds with the size of its reads.
 #
 # Needs root, fio, qemu-storage-daemon (qemu-system-common), python3.
 # Usage: bench/serve.sh [PAIR]        (default system; RUNTIME=8 seconds per random job,
@@ -98,20 +100,30 @@ libc.munmap(addr, size)
 PY
 }
 
+# The block device under the images, for the size of the reads that reach it: the
+# anchor's fio reads of 1 MiB reach it whole only when fio's buffer happens to be
+# physically contiguous (the loop device takes at most 128 segments of up to 64 KiB,
+# so a buffer of scattered 4 KiB pages goes out as two 512 KiB reads), and this disk
+# serves about as many requests per second either way.
+DISK_STAT=/sys/class/block/$(basename "$(findmnt -no SOURCE --target "$NEW" 2>/dev/null || echo none)")/stat
+disk_reads() { if [ -r "$DISK_STAT" ]; then awk '{print $1, $3}' "$DISK_STAT"; else echo 0 0; fi; }
 # CPU time the hypervisor gave to other guests (the `steal` column of
 # /proc/stat) and all CPU time, in ticks.
 cpu_ticks() { awk '/^cpu /{print $9, $2+$3+$4+$5+$6+$7+$8+$9}' /proc/stat; }
-# Prints MiB/s, IOPS and the percentage of CPU time stolen during the job.
+# Prints MiB/s, IOPS, KiB per read that reached the disk ("-" if unknown) and the
+# percentage of CPU time stolen during the job.
 fio_job() { # TARGET NAME RW BS ENGINE DEPTH [extra...]
-	local t=$1 name=$2 rw=$3 bs=$4 eng=$5 qd=$6 s0 s1 res
+	local t=$1 name=$2 rw=$3 bs=$4 eng=$5 qd=$6 s0 s1 d0 d1 res
 	shift 6
 	drop
+	d0=$(disk_reads)
 	s0=$(cpu_ticks)
 	res=$(fio --name="$name" --filename="$t" --rw="$rw" --bs="$bs" --direct=1 --ioengine="$eng" \
 		--iodepth="$qd" --output-format=json "$@" 2>/dev/null |
 		python3 -c 'import json,sys; j=json.load(sys.stdin)["jobs"][0]["read"]; print("%.0f %.0f" % (j["bw_bytes"]/2**20, j["iops"]))')
 	s1=$(cpu_ticks)
-	echo "$res $(echo "$s0 $s1" | awk '{d = $4 - $2; printf "%.0f", (d > 0 ? 100 * ($3 - $1) / d : 0)}')"
+	d1=$(disk_reads)
+	echo "$res $(echo "$d0 $d1" | awk '{n = $3 - $1; if (n > 0) printf "%.0f", ($4 - $2) / 2 / n; else printf "-"}') $(echo "$s0 $s1" | awk '{d = $4 - $2; printf "%.0f", (d > 0 ? 100 * ($3 - $1) / d : 0)}')"
 }
 
 declare -A R
@@ -127,7 +139,8 @@ job() { # CFG NAME ROUND
 	rnd1) out=$(fio_job "$dev" "$name" randread 4k psync 1 --runtime="$RUNTIME" --time_based --randrepeat=0) field=2 ;;
 	rnd32) out=$(fio_job "$dev" "$name" randread 4k io_uring 32 --runtime="$RUNTIME" --time_based --randrepeat=0) field=2 ;;
 	esac
-	R[$cfg.$name.$round]=$(echo "$out" | cut -d' ' -f"$field") R[$cfg.$name.st.$round]=${out##* }
+	R[$cfg.$name.$round]=$(echo "$out" | cut -d' ' -f"$field") R[$cfg.$name.kib.$round]=$(echo "$out" | cut -d' ' -f3)
+	R[$cfg.$name.st.$round]=${out##* }
 }
 # Page-cache copies: the whole device read once, buffered, device kept open so its
 # cache survives; then every layer counted.
@@ -285,5 +298,16 @@ for c in vabc vabc-uring; do
 	echo "$c / qsd, rand 4K QD32: $(ratios "$c" qsd rnd32)   QD1: $(ratios "$c" qsd rnd1)   (target >= 1.5)"
 done
 echo
+# Each round's own figures, so that a ratio that moved can be traced to its side.
+for c in $CONFIGS; do
+	line=""
+	for j in seq1 seq8 rnd1 rnd32; do
+		has "$j" || continue
+		vals=()
+		for round in $(seq "$RAN"); do vals+=("${R[$c.$j.$round]:--}/${R[$c.$j.kib.$round]:--}"); done
+		line+="  $j: ${vals[*]}"
+	done
+	echo "per round, $c (MiB/s or IOPS / KiB per disk read):$line"
+done
 echo "rounds: $RAN run, $clean without steal above $STEAL_MAX%"
 echo "reproduce: sudo CODEC=$CODEC RUNTIME=$RUNTIME SEQ_SIZE=$SEQ_SIZE ROUNDS=$ROUNDS EXTRA=$EXTRA CONFIGS=\"$CONFIGS\" JOBS=\"$JOBS\" bench/serve.sh $PAIR"
