@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
-use crate::io::AlignedBuf;
+use crate::io::{AlignedBuf, HUGE_PAGE};
 use crate::{BlockDevice, Result, check_range};
 
 /// Requests smaller than this are random reads (sequential readers above us send
@@ -30,8 +30,8 @@ const MIN_STREAM_REQUEST: u64 = 32 << 10;
 /// reading ahead would only add a copy: a loop device at queue depth 1 sends a 1 MiB read
 /// as two 512 KiB requests.
 const SHALLOW_QUEUE: usize = 4;
-/// Chunk buffers kept for reuse.
-const FREE_KEEP: usize = 16;
+/// Chunk buffers kept for reuse (16 MiB of them).
+const FREE_KEEP: usize = 8;
 
 /// Options of [`Readahead::new`].
 #[derive(Clone, Debug)]
@@ -53,8 +53,9 @@ impl Default for ReadaheadOptions {
             // `depth` of chunks on either side of the stream.
             depth: 16 << 20,
             // A 1 MiB request (FUSE's largest) aligned to it lies in one chunk, so
-            // `read_with` serves it without a copy.
-            chunk: 1 << 20,
+            // `read_with` serves it without a copy. 2 MiB fills one huge page (see
+            // `HUGE_PAGE`): a 1 MiB chunk would be rounded up to one.
+            chunk: HUGE_PAGE,
             threads: 4,
         }
     }
@@ -68,7 +69,7 @@ enum Slot {
 
 /// Free chunk buffers, shared with the chunks so that the last user of a chunk (the
 /// stream moving past it, or a FUSE reply written from it) hands its buffer back: a
-/// fresh 1 MiB buffer costs an allocation and a page fault per page.
+/// fresh chunk buffer costs a mapping and the zeroing of a huge page.
 type FreeList = Arc<Mutex<Vec<AlignedBuf>>>;
 
 /// A read-ahead chunk's bytes; its buffer goes back to the free list when dropped.
