@@ -83,9 +83,17 @@ drop() {
 cpu_ticks() { awk '/^cpu /{print $9, $2+$3+$4+$5+$6+$7+$8+$9}' /proc/stat; }
 now() { date +%s.%N; }
 
+# fio's buffers in huge pages (see bench/hugepages.sh): without them its 1 MiB
+# transfers reached the disk whole in some rounds and split in others, and the
+# bandwidth it measured swung between 1.0 and 2.2 GB/s.
+# shellcheck source=bench/hugepages.sh
+. "$ROOT/bench/hugepages.sh"
+huge_on "$WORK/huge"
+trap huge_off EXIT
+
 # Sequential bandwidth of this filesystem, bytes/s.
 fio_bw() {
-	fio --name=bw --filename="$WORK/fio.dat" --size=1G --bs=1M --direct=1 --ioengine=psync \
+	fio --name=bw --filename="$WORK/fio.dat" --size=1G --bs=1M --direct=1 --ioengine=psync "${FIO_MEM[@]}" \
 		--rw="$1" --end_fsync=1 --output-format=json 2>/dev/null |
 		python3 -c "import json,sys; j=json.load(sys.stdin)['jobs'][0]; print(int(j['$1']['bw_bytes']))"
 }
@@ -94,7 +102,7 @@ fio_bw() {
 # window or REPLACE/ZERO commit). It drifts like the bandwidth (0.13-0.58
 # ms between runs), so it is measured with it.
 fsync_lat() {
-	fio --name=fs --filename="$WORK/fsync.dat" --size=8M --bs=4k --rw=randwrite --ioengine=psync --direct=1 \
+	fio --name=fs --filename="$WORK/fsync.dat" --size=8M --bs=4k --rw=randwrite --ioengine=psync --direct=1 "${FIO_MEM[@]}" \
 		--fdatasync=1 --number_ios=300 --output-format=json 2>/dev/null |
 		python3 -c "import json,sys; j=json.load(sys.stdin)['jobs'][0]; print(j['sync']['lat_ns']['mean'] / 1e9 + j['write']['lat_ns']['mean'] / 1e9)"
 	rm -f "$WORK/fsync.dat"
@@ -187,7 +195,7 @@ for pair in $PAIRS; do
 	bs=$(((br + bw) / nreq / 4096 * 4096))
 	bs=$((bs > 0 ? bs : 4096))
 	fio --name=prep --filename="$WORK/fio.dat" --size=1G --bs=1M --rw=write --end_fsync=1 >/dev/null 2>&1
-	iops=$(fio --name=rr --filename="$WORK/fio.dat" --size=1G --bs="$bs" --direct=1 --ioengine=io_uring --iodepth=32 \
+	iops=$(fio --name=rr --filename="$WORK/fio.dat" --size=1G --bs="$bs" --direct=1 --ioengine=io_uring --iodepth=32 "${FIO_MEM[@]}" \
 		--rw=randrw --runtime=4 --time_based --output-format=json 2>/dev/null |
 		python3 -c "import json,sys; j=json.load(sys.stdin)['jobs'][0]; print(int(j['read']['iops'] + j['write']['iops']))")
 	rm -f "$WORK/fio.dat"

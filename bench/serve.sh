@@ -25,7 +25,8 @@
 # measure the neighbours, so the median of the other rounds is given too. EXTRA
 # (default 0) more rounds are run while fewer than ROUNDS were free of steal. Each
 # round's own figures follow the table, each with the KiB per read that reached the
-# disk: the loop-on-raw anchor moves between two speeds with the size of its reads.
+# disk. fio's buffers are huge pages (bench/hugepages.sh), without which the loop-on-raw
+# anchor moved between two speeds with the size of its reads.
 #
 # Needs root, fio, qemu-storage-daemon (qemu-system-common), python3.
 # Usage: bench/serve.sh [PAIR]        (default system; RUNTIME=8 seconds per random job,
@@ -68,11 +69,17 @@ cleanup() {
 	for x in "${DAEMONS[@]}"; do kill -TERM "$x" 2>/dev/null || true; wait "$x" 2>/dev/null || true; done
 	for x in "${MNTS[@]}"; do mountpoint -q "$x" && umount "$x" 2>/dev/null || true; done
 	LOOPS=() DAEMONS=() MNTS=()
+	huge_off
 	# The FUSE-over-io_uring switch goes back to what it was before the run.
 	if [ -n "$URING_WAS" ]; then echo "$URING_WAS" >/sys/module/fuse/parameters/enable_uring || true; fi
 	URING_WAS=""
 }
 trap cleanup EXIT
+# fio's buffers in huge pages (see bench/hugepages.sh): the loop-on-raw anchor's 1 MiB
+# reads then reach the disk whole in every round.
+# shellcheck source=bench/hugepages.sh
+. bench/hugepages.sh
+huge_on "$WORK/huge"
 
 drop() { sync; echo 3 >/proc/sys/vm/drop_caches; }
 
@@ -100,11 +107,9 @@ libc.munmap(addr, size)
 PY
 }
 
-# The block device under the images, for the size of the reads that reach it: the
-# anchor's fio reads of 1 MiB reach it whole only when fio's buffer happens to be
-# physically contiguous (the loop device takes at most 128 segments of up to 64 KiB,
-# so a buffer of scattered 4 KiB pages goes out as two 512 KiB reads), and this disk
-# serves about as many requests per second either way.
+# The block device under the images, for the size of the reads that reach it (a
+# 1 MiB read goes out whole only from a physically contiguous buffer, see
+# bench/hugepages.sh).
 DISK_STAT=/sys/class/block/$(basename "$(findmnt -no SOURCE --target "$NEW" 2>/dev/null || echo none)")/stat
 disk_reads() { if [ -r "$DISK_STAT" ]; then awk '{print $1, $3}' "$DISK_STAT"; else echo 0 0; fi; }
 # CPU time the hypervisor gave to other guests (the `steal` column of
@@ -119,7 +124,7 @@ fio_job() { # TARGET NAME RW BS ENGINE DEPTH [extra...]
 	d0=$(disk_reads)
 	s0=$(cpu_ticks)
 	res=$(fio --name="$name" --filename="$t" --rw="$rw" --bs="$bs" --direct=1 --ioengine="$eng" \
-		--iodepth="$qd" --output-format=json "$@" 2>/dev/null |
+		--iodepth="$qd" "${FIO_MEM[@]}" --output-format=json "$@" 2>/dev/null |
 		python3 -c 'import json,sys; j=json.load(sys.stdin)["jobs"][0]["read"]; print("%.0f %.0f" % (j["bw_bytes"]/2**20, j["iops"]))')
 	s1=$(cpu_ticks)
 	d1=$(disk_reads)
