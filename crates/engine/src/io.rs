@@ -197,9 +197,10 @@ pub struct AlignedBuf {
 /// contiguous piece of its buffer. Read into scattered 4 KiB pages, a 100 KiB base read
 /// takes ~26 of the ring's 256, so about ten requests fit in flight and the rest queue in
 /// the guest; from a huge page it takes three. Measured (bench/RESULTS.md, sixteenth
-/// session): sequential serving +15%, `vabc merge` 9% faster. Smaller buffers stay on the
-/// heap: rounding a 1 MiB reply buffer up to 2 MiB would double the memory of every
-/// FUSE entry for no measured gain.
+/// session): sequential serving +25% (readahead chunks), `vabc merge` 9% faster (its
+/// arena). Smaller buffers stay on the heap: rounding 1 MiB FUSE reply buffers and ring
+/// payloads up to 2 MiB would double their memory (64 MiB of ring payloads) for 6% at
+/// sequential QD8.
 pub const HUGE_PAGE: usize = 2 << 20;
 
 /// An anonymous private mapping of whole huge pages, aligned to [`HUGE_PAGE`].
