@@ -184,95 +184,72 @@ const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
 /// (see [`HUGE_PAGE`]); smaller ones live on the heap.
 #[derive(Debug, Default)]
 pub struct AlignedBuf {
-    raw: Vec<u8>,
-    map: Option<HugeMap>,
+    mem: Mem,
     start: usize,
     len: usize,
 }
 
-/// Buffers of at least this size get their own anonymous mapping, aligned to it, rounded
-/// up to a multiple of it and marked `MADV_HUGEPAGE`, so that each 2 MiB is physically
-/// contiguous. Why: a request to a virtio disk without indirect descriptors (the
-/// Firecracker VM these numbers come from) takes one ring descriptor per physically
-/// contiguous piece of its buffer. Read into scattered 4 KiB pages, a 100 KiB base read
-/// takes ~26 of the ring's 256, so about ten requests fit in flight and the rest queue in
-/// the guest; from a huge page it takes three. Measured (bench/RESULTS.md, sixteenth
-/// session): sequential serving +25% (readahead chunks), `vabc merge` 9% faster (its
-/// arena). Smaller buffers stay on the heap: rounding 1 MiB FUSE reply buffers and ring
-/// payloads up to 2 MiB would double their memory (64 MiB of ring payloads) for 6% at
-/// sequential QD8.
+/// Buffers of at least this size get their own anonymous mapping, used from a boundary
+/// of this size for a multiple of it and advised `MADV_HUGEPAGE`, so that each 2 MiB is
+/// physically contiguous. Why: a request to a virtio disk without indirect descriptors
+/// (the Firecracker VM these numbers come from) takes one ring descriptor per
+/// physically contiguous piece of its buffer. Read into scattered 4 KiB pages, a 100 KiB
+/// base read takes ~26 of the ring's 256, so about ten requests fit in flight and the
+/// rest queue in the guest; from a huge page it takes three. Measured (bench/RESULTS.md,
+/// sixteenth session): sequential serving +25% (readahead chunks), `vabc merge` 9%
+/// faster (its arena). Smaller buffers stay on the heap: rounding 1 MiB FUSE reply
+/// buffers and ring payloads up to 2 MiB would double their memory (64 MiB of ring
+/// payloads) for 6% at sequential QD8.
 pub const HUGE_PAGE: usize = 2 << 20;
 
-/// An anonymous private mapping of whole huge pages, aligned to [`HUGE_PAGE`].
 #[derive(Debug)]
-struct HugeMap {
-    ptr: std::ptr::NonNull<u8>,
-    len: usize,
+enum Mem {
+    Heap(Vec<u8>),
+    /// A mapping one huge page longer than `huge`, of which `huge` bytes from the first
+    /// `HUGE_PAGE` boundary are used; the slack around them is never touched, so it
+    /// costs address space, not memory.
+    Huge {
+        map: memmap2::MmapMut,
+        huge: usize,
+    },
 }
 
-// SAFETY: a HugeMap owns its mapping outright (like a Box<[u8]>); the bytes are reached
-// only through `&self` (shared reads) or `&mut self` (exclusive writes).
-unsafe impl Send for HugeMap {}
-// SAFETY: as above: `&HugeMap` only hands out shared slices.
-unsafe impl Sync for HugeMap {}
+impl Default for Mem {
+    fn default() -> Self {
+        Mem::Heap(Vec::new())
+    }
+}
 
-impl HugeMap {
-    /// `None` when the kernel refuses the mapping (the caller falls back to the heap).
-    fn new(len: usize) -> Option<HugeMap> {
-        let len = len.checked_next_multiple_of(HUGE_PAGE)?;
-        // Map one huge page more than needed, then trim to an aligned `len`.
-        let span = len.checked_add(HUGE_PAGE)?;
-        // SAFETY: a fresh anonymous private mapping; no existing memory is involved.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                span,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return None;
+impl Mem {
+    /// Room for `len` bytes and the offset where the aligned part starts.
+    fn new(len: usize) -> (Mem, usize) {
+        if len >= HUGE_PAGE
+            && let Some(huge) = len.checked_next_multiple_of(HUGE_PAGE)
+            && let Some(span) = huge.checked_add(HUGE_PAGE)
+            && let Ok(map) = memmap2::MmapMut::map_anon(span)
+        {
+            let start = map.as_ptr().align_offset(HUGE_PAGE);
+            // Advice only: without transparent huge pages the mapping works with small
+            // pages.
+            let _ = map.advise_range(memmap2::Advice::HugePage, start, huge);
+            return (Mem::Huge { map, huge }, start);
         }
-        let base = p as usize;
-        let head = base.next_multiple_of(HUGE_PAGE) - base;
-        let tail = span - head - len;
-        // SAFETY: the head `[base, base + head)` and the tail `[base + head + len,
-        // base + span)` lie inside the mapping just made and outside the part kept; the
-        // kept part is only advised.
-        unsafe {
-            if head > 0 {
-                libc::munmap(p, head);
-            }
-            if tail > 0 {
-                libc::munmap(p.cast::<u8>().add(head + len).cast(), tail);
-            }
-            // Advice only: without transparent huge pages the mapping still works.
-            libc::madvise(p.cast::<u8>().add(head).cast(), len, libc::MADV_HUGEPAGE);
-        }
-        // SAFETY: `head < span`, so the pointer lies inside the (non-null) mapping.
-        let ptr = std::ptr::NonNull::new(unsafe { p.cast::<u8>().add(head) })?;
-        Some(HugeMap { ptr, len })
+        let raw = vec![0u8; len + DIRECT_ALIGN];
+        let start = raw.as_ptr().align_offset(DIRECT_ALIGN);
+        (Mem::Heap(raw), start)
     }
 
     fn bytes(&self) -> &[u8] {
-        // SAFETY: `ptr..ptr + len` is a live, zero-initialised mapping owned by self.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+        match self {
+            Mem::Heap(raw) => raw,
+            Mem::Huge { map, .. } => map,
+        }
     }
 
     fn bytes_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as in `bytes`; `&mut self` makes the access exclusive.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
-    }
-}
-
-impl Drop for HugeMap {
-    fn drop(&mut self) {
-        // SAFETY: the mapping was made by `HugeMap::new` and nothing borrows it any more.
-        unsafe {
-            libc::munmap(self.ptr.as_ptr().cast(), self.len);
+        match self {
+            Mem::Heap(raw) => raw,
+            Mem::Huge { map, .. } => map,
         }
     }
 }
@@ -286,52 +263,35 @@ impl AlignedBuf {
 
     /// Makes room for `len` bytes, reallocating only when it grows.
     pub fn ensure(&mut self, len: usize) {
-        if self.capacity() < self.start + len || self.capacity() == 0 {
-            self.map = None;
-            self.raw = Vec::new();
-            self.start = 0;
-            if len >= HUGE_PAGE {
-                self.map = HugeMap::new(len);
-            }
-            if self.map.is_none() {
-                self.raw = vec![0u8; len + DIRECT_ALIGN];
-                self.start = self.raw.as_ptr().align_offset(DIRECT_ALIGN);
-            }
+        let room = match &self.mem {
+            Mem::Heap(raw) if raw.is_empty() => None,
+            Mem::Heap(raw) => Some(raw.len() - self.start),
+            Mem::Huge { huge, .. } => Some(*huge),
+        };
+        if room.is_none_or(|r| r < len) {
+            (self.mem, self.start) = Mem::new(len);
         }
         self.len = len;
-    }
-
-    fn bytes(&self) -> &[u8] {
-        match &self.map {
-            Some(m) => m.bytes(),
-            None => &self.raw,
-        }
-    }
-
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        match &mut self.map {
-            Some(m) => m.bytes_mut(),
-            None => &mut self.raw,
-        }
     }
 
     /// The first `len` bytes of the aligned region.
     pub fn slice_mut(&mut self, len: usize) -> &mut [u8] {
         self.ensure(len);
         let start = self.start;
-        &mut self.bytes_mut()[start..start + len]
+        &mut self.mem.bytes_mut()[start..start + len]
     }
 
-    /// Bytes allocated, alignment slack included.
+    /// Bytes allocated, alignment slack included (for a huge-page buffer, the part that
+    /// may take memory).
     pub fn capacity(&self) -> usize {
-        match &self.map {
-            Some(m) => m.len,
-            None => self.raw.len(),
+        match &self.mem {
+            Mem::Heap(raw) => raw.len(),
+            Mem::Huge { huge, .. } => *huge,
         }
     }
 
     pub fn as_slice(&self) -> &[u8] {
-        &self.bytes()[self.start..self.start + self.len]
+        &self.mem.bytes()[self.start..self.start + self.len]
     }
 }
 
@@ -346,7 +306,7 @@ impl std::ops::Deref for AlignedBuf {
 impl std::ops::DerefMut for AlignedBuf {
     fn deref_mut(&mut self) -> &mut [u8] {
         let (start, len) = (self.start, self.len);
-        &mut self.bytes_mut()[start..start + len]
+        &mut self.mem.bytes_mut()[start..start + len]
     }
 }
 
@@ -357,7 +317,7 @@ mod tests {
     #[test]
     fn small_buffers_are_aligned_heap_memory() {
         let mut b = AlignedBuf::new(12_345);
-        assert!(b.map.is_none());
+        assert!(matches!(b.mem, Mem::Heap(_)));
         assert_eq!(b.len(), 12_345);
         assert!((b.as_ptr() as usize).is_multiple_of(DIRECT_ALIGN));
         assert!(b.iter().all(|&x| x == 0));
@@ -368,11 +328,12 @@ mod tests {
     #[test]
     fn large_buffers_are_whole_aligned_huge_pages() {
         let mut b = AlignedBuf::new(HUGE_PAGE + 1);
-        let Some(m) = &b.map else {
-            panic!("no mapping for a {} byte buffer", HUGE_PAGE + 1);
-        };
-        assert_eq!(m.len, 2 * HUGE_PAGE);
-        assert!((m.ptr.as_ptr() as usize).is_multiple_of(HUGE_PAGE));
+        assert!(
+            matches!(b.mem, Mem::Huge { huge, .. } if huge == 2 * HUGE_PAGE),
+            "no 4 MiB mapping for a {} byte buffer",
+            HUGE_PAGE + 1
+        );
+        assert!((b.as_ptr() as usize).is_multiple_of(HUGE_PAGE));
         assert_eq!(b.capacity(), 2 * HUGE_PAGE);
         assert_eq!(b.len(), HUGE_PAGE + 1);
         assert!(b.iter().all(|&x| x == 0));

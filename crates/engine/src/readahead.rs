@@ -30,7 +30,7 @@ const MIN_STREAM_REQUEST: u64 = 32 << 10;
 /// reading ahead would only add a copy: a loop device at queue depth 1 sends a 1 MiB read
 /// as two 512 KiB requests.
 const SHALLOW_QUEUE: usize = 4;
-/// Chunk buffers kept for reuse (16 MiB of them).
+/// Chunk buffers kept for reuse (16 MiB of the default 2 MiB chunks).
 const FREE_KEEP: usize = 8;
 
 /// Options of [`Readahead::new`].
