@@ -32,6 +32,7 @@
 # Usage: bench/serve.sh [PAIR]        (default system; RUNTIME=8 seconds per random job,
 #                                     ROUNDS=3)
 # Subsets for quick iterations: CONFIGS="loop-raw vabc" JOBS="seq1 seq8" bench/serve.sh
+# Other COWs: DIFF_ARGS="--no-xor" bench/serve.sh (more `vabc diff` options)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PAIR=${1:-system}
@@ -53,8 +54,12 @@ VABC=${CARGO_TARGET_DIR:-target}/release/vabc
 # lz4 by default: the codec Android devices decode at boot (zstd:19, our diff default,
 # makes a smaller COW that costs more CPU per served XOR/REPLACE block).
 CODEC=${CODEC:-lz4}
-COW=$WORK/$PAIR.${CODEC//:/-}.cow
-[ -f "$COW" ] && [ "$COW" -nt "$NEW" ] || "$VABC" diff --compression "$CODEC" "$OLD" "$NEW" -o "$COW" >/dev/null
+# DIFF_ARGS: more `vabc diff` options, e.g. --no-xor (a larger COW without the XOR ops'
+# scattered two-block base reads; see RESULTS, seventeenth session).
+DIFF_ARGS=${DIFF_ARGS:-}
+read -r -a DIFF_OPTS <<<"$DIFF_ARGS"
+COW=$WORK/$PAIR.${CODEC//:/-}$(printf '%s' "$DIFF_ARGS" | tr -c 'a-zA-Z0-9=\n' '_').cow
+[ -f "$COW" ] && [ "$COW" -nt "$NEW" ] || "$VABC" diff --compression "$CODEC" "${DIFF_OPTS[@]}" "$OLD" "$NEW" -o "$COW" >/dev/null
 SIZE=$(stat -L -c %s "$NEW")
 
 # Every stack is set up once and stays up for the whole run, so that each job runs
@@ -288,7 +293,7 @@ ratios() {
 	echo "$(median %.2f "${vals[@]}")$out"
 }
 echo
-echo "pair $PAIR: new.ext4.img $((SIZE / 1048576)) MiB, COW $(($(stat -L -c %s "$COW") / 1048576)) MiB ($CODEC); $(nproc) CPUs, load $(cut -d' ' -f1 /proc/loadavg)"
+echo "pair $PAIR: new.ext4.img $((SIZE / 1048576)) MiB, COW $(($(stat -L -c %s "$COW") / 1048576)) MiB ($CODEC${DIFF_ARGS:+ $DIFF_ARGS}); $(nproc) CPUs, load $(cut -d' ' -f1 /proc/loadavg)"
 echo
 echo "| config | seq 1M QD1 MiB/s | seq 1M QD8 MiB/s | rand 4K QD1 IOPS | rand 4K QD32 IOPS | page-cache copies after one full read (MiB per layer) |"
 echo "|---|---|---|---|---|---|"
@@ -315,4 +320,4 @@ for c in $CONFIGS; do
 	echo "per round, $c (MiB/s or IOPS / KiB per disk read):$line"
 done
 echo "rounds: $RAN run, $clean without steal above $STEAL_MAX%"
-echo "reproduce: sudo CODEC=$CODEC RUNTIME=$RUNTIME SEQ_SIZE=$SEQ_SIZE ROUNDS=$ROUNDS EXTRA=$EXTRA CONFIGS=\"$CONFIGS\" JOBS=\"$JOBS\" bench/serve.sh $PAIR"
+echo "reproduce: sudo CODEC=$CODEC${DIFF_ARGS:+ DIFF_ARGS=\"$DIFF_ARGS\"} RUNTIME=$RUNTIME SEQ_SIZE=$SEQ_SIZE ROUNDS=$ROUNDS EXTRA=$EXTRA CONFIGS=\"$CONFIGS\" JOBS=\"$JOBS\" bench/serve.sh $PAIR"
