@@ -57,9 +57,9 @@ CODEC=${CODEC:-lz4}
 # DIFF_ARGS: more `vabc diff` options, e.g. --no-xor (a larger COW without the XOR ops'
 # scattered two-block base reads; see RESULTS, seventeenth session).
 DIFF_ARGS=${DIFF_ARGS:-}
-read -r -a DIFF_OPTS <<<"$DIFF_ARGS"
 COW=$WORK/$PAIR.${CODEC//:/-}$(printf '%s' "$DIFF_ARGS" | tr -c 'a-zA-Z0-9=\n' '_').cow
-[ -f "$COW" ] && [ "$COW" -nt "$NEW" ] || "$VABC" diff --compression "$CODEC" "${DIFF_OPTS[@]}" "$OLD" "$NEW" -o "$COW" >/dev/null
+# shellcheck disable=SC2086 # DIFF_ARGS is a list of options (as in bench/merge.sh)
+[ -f "$COW" ] && [ "$COW" -nt "$NEW" ] || "$VABC" diff --compression "$CODEC" $DIFF_ARGS "$OLD" "$NEW" -o "$COW" >/dev/null
 SIZE=$(stat -L -c %s "$NEW")
 
 # Every stack is set up once and stays up for the whole run, so that each job runs
