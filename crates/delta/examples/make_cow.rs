@@ -44,6 +44,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         compression,
         compression_factor: a[6].parse()?,
         threads: 0,
+        block_order: std::env::var_os("BLOCK_ORDER").is_some(),
     };
     let w = write_cow(&plan, &old, &new, Path::new(&a[3]), &c, &NoProgress)?;
     println!(

@@ -8,6 +8,8 @@
 //! * [`index`]: what is kept of OLD in memory (hashes and anchors, not data).
 //! * [`mod@plan`]: the per-block op selection, parallel and deterministic.
 //! * [`order`]: the merge sequence and its op-by-op validity check.
+//! * [`lone`]: optionally, XORs whose source is an isolated read of OLD
+//!   stored as REPLACE (fewer small reads when serving and merging).
 //! * [`sim`]: an in-memory in-place merge, used by the tests.
 //! * [`mod@write`]: the plan as a COW file (v2 or v3, any codec), checked
 //!   before and after writing.
@@ -94,6 +96,7 @@
 pub mod error;
 pub mod image;
 pub mod index;
+pub mod lone;
 pub mod order;
 pub mod plan;
 pub mod sim;

@@ -24,6 +24,7 @@ use rayon::prelude::*;
 use crate::error::{DeltaError, Result};
 use crate::image::BlockImage;
 use crate::index::{GEAR_WINDOW, OldIndex, SCAN_CHUNK_BLOCKS, anchors, block_hash, is_zero};
+use crate::lone::replace_lone_xors;
 use crate::order::{MergeOrder, order_merge, replace_far_xors};
 use crate::{BLOCK_SIZE, Progress};
 
@@ -78,6 +79,11 @@ pub struct PlanOptions {
     /// ext4 pair 4096 makes the COW 2.9% larger (zstd:19; lz4 4.9%) and its
     /// merge issue 41% fewer requests and run ~10% faster.
     pub far_xor_blocks: u64,
+    /// XORs whose OLD sources make a run shorter than this many blocks
+    /// that nothing but XORs read are stored as REPLACE; 0 (the default)
+    /// keeps every XOR. A trade of COW size for fewer small reads of OLD
+    /// when serving and merging, see [`crate::lone`].
+    pub min_xor_run: u64,
 }
 
 /// Codec used to estimate the stored size of one block, as XOR payload
@@ -101,6 +107,7 @@ impl Default for PlanOptions {
             voted_candidates: MAX_VOTED,
             estimator: Estimator::Zstd(1),
             far_xor_blocks: 0,
+            min_xor_run: 0,
         }
     }
 }
@@ -145,6 +152,9 @@ pub struct Census {
     /// XORs turned into REPLACE because their source is rewritten far away
     /// (included in `replace`; see [`PlanOptions::far_xor_blocks`]).
     pub far_xors: u64,
+    /// XORs turned into REPLACE because their source is a lone read of OLD
+    /// (included in `replace`; see [`PlanOptions::min_xor_run`]).
+    pub lone_xors: u64,
 }
 
 /// A complete plan: ops for every block that changes, and the merge order.
@@ -221,6 +231,7 @@ fn plan_in_pool(
         .collect::<Result<_>>()?;
     progress.finish();
     let mut ops: Vec<PlannedOp> = parts.into_iter().flatten().collect();
+    let lone_xors = replace_lone_xors(&mut ops, n_new, opts.min_xor_run);
     let far_xors = replace_far_xors(&mut ops, opts.far_xor_blocks);
     let MergeOrder {
         sequence,
@@ -229,6 +240,7 @@ fn plan_in_pool(
     let mut census = Census {
         cycle_breaks: converted,
         far_xors,
+        lone_xors,
         ..Census::default()
     };
     for o in &ops {

@@ -218,6 +218,41 @@ proptest! {
             prop_assert!(no_xor);
         }
     }
+
+    /// Lone XORs stored as REPLACE: the plan still merges in place to NEW,
+    /// and it differs from the plan without them only by XORs stored as
+    /// REPLACE, give or take the ops that break merge cycles (fewer XORs
+    /// mean fewer edges, so the cycles can be broken elsewhere).
+    #[test]
+    fn lone_xors_round_trip(
+        seed in any::<u64>(),
+        blocks in 1usize..80,
+        edits in proptest::collection::vec(edit(), 0..6),
+        grow in -6i64..6,
+        min_run in 1u64..20,
+    ) {
+        let (old, new) = make_pair(seed, blocks, &edits, grow);
+        let o = MemImage::new("old", old.clone());
+        let n = MemImage::new("new", new.clone());
+        let base = delta::plan(&o, &n, &PlanOptions::default(), &NoProgress).unwrap();
+        let opts = PlanOptions { min_xor_run: min_run, ..PlanOptions::default() };
+        let lone = delta::plan(&o, &n, &opts, &NoProgress).unwrap();
+        check(&old, &new, &lone);
+        prop_assert_eq!(base.ops.len(), lone.ops.len());
+        let mut xor_to_replace = 0;
+        for (a, b) in base.ops.iter().zip(&lone.ops) {
+            prop_assert_eq!(a.dst, b.dst);
+            if a.op != b.op {
+                let toward = b.op == BlockOp::Replace;
+                prop_assert!(toward || a.op == BlockOp::Replace, "{:?} -> {:?}", a, b);
+                xor_to_replace += u64::from(toward && matches!(a.op, BlockOp::Xor { .. }));
+            }
+        }
+        let c = &lone.census;
+        prop_assert!(xor_to_replace + base.census.cycle_breaks >= c.lone_xors);
+        prop_assert!(xor_to_replace <= c.lone_xors + c.cycle_breaks);
+        prop_assert!(c.xor <= base.census.xor);
+    }
 }
 
 proptest! {

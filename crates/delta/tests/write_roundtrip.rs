@@ -54,6 +54,21 @@ fn write(
     factor: u32,
     threads: usize,
 ) -> Vec<u8> {
+    write_as(dir, old, new, version, comp, factor, threads, false)
+}
+
+/// [`write`], with the ops of a v3 COW in block order or merge order.
+#[allow(clippy::too_many_arguments)]
+fn write_as(
+    dir: &Path,
+    old: &[u8],
+    new: &[u8],
+    version: u16,
+    comp: &str,
+    factor: u32,
+    threads: usize,
+    block_order: bool,
+) -> Vec<u8> {
     let o = MemImage::new("old", old.to_vec());
     let n = MemImage::new("new", new.to_vec());
     let plan = delta::plan(
@@ -72,6 +87,7 @@ fn write(
         compression: comp.parse::<Compression>().unwrap(),
         compression_factor: factor,
         threads,
+        block_order,
     };
     let rep = write_cow(&plan, &o, &n, &out, &opts, &NoProgress).unwrap();
     assert_eq!(rep.cow_size, std::fs::metadata(&out).unwrap().len());
@@ -111,6 +127,55 @@ fn every_format_and_codec() {
     }
 }
 
+/// The merge order as (kind, block, source), whatever the stream order
+/// (a REPLACE's source is where its data is, so it is left out).
+fn merge_order_of(path: &Path) -> Vec<(cow::OpKind, u64, u64)> {
+    let r = CowReader::open(path).unwrap();
+    let ops = r.ops();
+    r.merge_order()
+        .unwrap()
+        .iter()
+        .map(|&i| {
+            let o = &ops[i];
+            let source = if o.kind == cow::OpKind::Replace {
+                0
+            } else {
+                o.source
+            };
+            (o.kind, o.new_block, source)
+        })
+        .collect()
+}
+
+#[test]
+fn block_order_keeps_the_merge_order() {
+    let (old, new) = pair();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("u.cow");
+    for comp in ["lz4", "zstd"] {
+        write_as(dir.path(), &old, &new, 3, comp, 65536, 2, false);
+        let merge_ordered = merge_order_of(&path);
+        assert!(CowReader::open(&path).unwrap().sequence().is_empty());
+        let size = std::fs::metadata(&path).unwrap().len();
+        // `write_as` checks that the snapshot view reads NEW.
+        write_as(dir.path(), &old, &new, 3, comp, 65536, 2, true);
+        assert_eq!(merge_order_of(&path), merge_ordered, "{comp}");
+        let r = CowReader::open(&path).unwrap();
+        let blocks: Vec<u64> = r.ops().iter().map(|o| o.new_block).collect();
+        assert!(blocks.windows(2).all(|w| w[0] < w[1]), "{comp}: {blocks:?}");
+        // The sequence lists every COPY/XOR op: 4 bytes each.
+        let ordered = r
+            .ops()
+            .iter()
+            .filter(|o| matches!(o.kind, cow::OpKind::Copy | cow::OpKind::Xor))
+            .count();
+        assert!(ordered > 0);
+        assert_eq!(r.sequence().len(), ordered);
+        let grown = std::fs::metadata(&path).unwrap().len() - size;
+        assert_eq!(grown, 4 * ordered as u64, "{comp}");
+    }
+}
+
 #[test]
 fn same_bytes_for_any_thread_count() {
     let (old, new) = pair();
@@ -147,6 +212,7 @@ fn unwritable_output_leaves_nothing() {
         compression: Compression::default(),
         compression_factor: 65536,
         threads: 1,
+        block_order: false,
     };
     let err = write_cow(
         &plan,

@@ -55,9 +55,16 @@ fn make_pair(seed: u64) -> (Vec<u8>, Vec<u8>) {
     (old, new)
 }
 
-/// Writes the update; returns how many XORs `far_xor_blocks` turned into
-/// REPLACEs.
-fn write_update(old: &[u8], new: &[u8], path: &Path, far_xor_blocks: u64) -> u64 {
+/// Writes the update (with its ops in block order and the merge order as
+/// sequence data when `block_order`); returns how many XORs
+/// `far_xor_blocks` turned into REPLACEs.
+fn write_update(
+    old: &[u8],
+    new: &[u8],
+    path: &Path,
+    far_xor_blocks: u64,
+    block_order: bool,
+) -> u64 {
     let (o, n) = (
         MemImage::new("old", old.to_vec()),
         MemImage::new("new", new.to_vec()),
@@ -76,6 +83,7 @@ fn write_update(old: &[u8], new: &[u8], path: &Path, far_xor_blocks: u64) -> u64
         },
         compression_factor: 16384,
         threads: 1,
+        block_order,
     };
     write_cow(&plan, &o, &n, path, &cow, &NoProgress).expect("write COW");
     plan.census.far_xors
@@ -92,7 +100,10 @@ fn planner_updates_merge_and_resume_exactly() {
         let (old, new) = make_pair(seed);
         // Every third update without the XORs that read blocks rewritten
         // more than 2 blocks away (`vabc diff --far-xor-blocks`).
-        far_xors += write_update(&old, &new, &cow_path, if seed % 3 == 2 { 2 } else { 0 });
+        // Every other one with its ops in block order (`vabc diff
+        // --block-order`), which the merge reads through the sequence data.
+        let far = if seed % 3 == 2 { 2 } else { 0 };
+        far_xors += write_update(&old, &new, &cow_path, far, seed % 2 == 1);
         let cow_bytes = std::fs::read(&cow_path).unwrap();
         for early_blocks in [1024, 0] {
             // Small windows: many of them, both kinds, in a small update.

@@ -189,6 +189,54 @@ fn xor_and_copy_are_used_on_real_data() {
 }
 
 #[test]
+fn serving_layout_options_round_trip() {
+    // `--min-xor-run` stores the XORs of short lone source runs as REPLACE;
+    // `--block-order` writes the ops by block with the merge order as
+    // sequence data. Both must still apply to NEW (checked by round_trip).
+    let c = corpus();
+    let (old, new) = (c.join("tiny/old.ext4.img"), c.join("tiny/new.ext4.img"));
+    let dir = tempfile::tempdir().unwrap();
+    let (_, base) = round_trip(&old, &new, dir.path(), &["--compression", "lz4"]);
+    assert_eq!(base["block_order"].as_bool(), Some(false));
+    let (_, lone) = round_trip(
+        &old,
+        &new,
+        dir.path(),
+        &["--compression", "lz4", "--min-xor-run", "16"],
+    );
+    let (b, l) = (&base["blocks"], &lone["blocks"]);
+    let lone_xors = l["lone_xors"].as_u64().unwrap();
+    assert!(lone_xors > 0, "{l}");
+    assert_eq!(b["lone_xors"].as_u64(), Some(0));
+    // Fewer XORs, more REPLACE, the same COPYs; cycle breaks may differ.
+    assert!(l["xor"].as_u64() < b["xor"].as_u64(), "{b} vs {l}");
+    assert_eq!(l["copy"], b["copy"]);
+    assert!(lone["cow_size"].as_u64() > base["cow_size"].as_u64());
+
+    let (_, ordered) = round_trip(
+        &old,
+        &new,
+        dir.path(),
+        &["--compression", "lz4", "--block-order"],
+    );
+    assert_eq!(ordered["block_order"].as_bool(), Some(true));
+    assert_eq!(ordered["blocks"], base["blocks"]);
+    let cow = dir.path().join("u.cow");
+    let out = vabc(&["inspect", s(&cow), "--json", "--verify-merge"]);
+    ok(&out, "inspect --block-order COW");
+    let seq = json(&out)["header"]["sequence_data_count"]
+        .as_u64()
+        .unwrap();
+    let ordered_ops = b["copy"].as_u64().unwrap() + b["xor"].as_u64().unwrap();
+    assert_eq!(seq, ordered_ops, "one sequence entry per COPY/XOR block");
+    // 4 bytes per entry is all the layout costs.
+    assert_eq!(
+        ordered["cow_size"].as_u64().unwrap(),
+        base["cow_size"].as_u64().unwrap() + 4 * ordered_ops
+    );
+}
+
+#[test]
 fn same_bytes_for_any_thread_count() {
     let c = corpus();
     for (pair, fs, codec) in [("small", "erofs", "zstd"), ("tiny", "ext4", "lz4")] {
