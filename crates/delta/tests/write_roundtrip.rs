@@ -45,21 +45,10 @@ fn pair() -> (Vec<u8>, Vec<u8>) {
     (old, new)
 }
 
-fn write(
-    dir: &Path,
-    old: &[u8],
-    new: &[u8],
-    version: u16,
-    comp: &str,
-    factor: u32,
-    threads: usize,
-) -> Vec<u8> {
-    write_as(dir, old, new, version, comp, factor, threads, false)
-}
-
-/// [`write`], with the ops of a v3 COW in block order or merge order.
+/// Plan and write the update; check the COW reads back as NEW. A v3 COW
+/// gets its ops in block order or in merge order.
 #[allow(clippy::too_many_arguments)]
-fn write_as(
+fn write(
     dir: &Path,
     old: &[u8],
     new: &[u8],
@@ -119,11 +108,11 @@ fn every_format_and_codec() {
     let dir = tempfile::tempdir().unwrap();
     for version in [2u16, 3] {
         for comp in ["none", "gz", "lz4", "zstd", "brotli:5", "zstd:-3"] {
-            write(dir.path(), &old, &new, version, comp, 65536, 2);
+            write(dir.path(), &old, &new, version, comp, 65536, 2, false);
         }
     }
     for factor in [4096, 16384, 262144] {
-        write(dir.path(), &old, &new, 3, "lz4", factor, 2);
+        write(dir.path(), &old, &new, 3, "lz4", factor, 2, false);
     }
 }
 
@@ -153,12 +142,12 @@ fn block_order_keeps_the_merge_order() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("u.cow");
     for comp in ["lz4", "zstd"] {
-        write_as(dir.path(), &old, &new, 3, comp, 65536, 2, false);
+        write(dir.path(), &old, &new, 3, comp, 65536, 2, false);
         let merge_ordered = merge_order_of(&path);
         assert!(CowReader::open(&path).unwrap().sequence().is_empty());
         let size = std::fs::metadata(&path).unwrap().len();
         // `write_as` checks that the snapshot view reads NEW.
-        write_as(dir.path(), &old, &new, 3, comp, 65536, 2, true);
+        write(dir.path(), &old, &new, 3, comp, 65536, 2, true);
         assert_eq!(merge_order_of(&path), merge_ordered, "{comp}");
         let r = CowReader::open(&path).unwrap();
         let blocks: Vec<u64> = r.ops().iter().map(|o| o.new_block).collect();
@@ -181,9 +170,9 @@ fn same_bytes_for_any_thread_count() {
     let (old, new) = pair();
     let dir = tempfile::tempdir().unwrap();
     for (v, c) in [(3, "zstd"), (2, "lz4")] {
-        let one = write(dir.path(), &old, &new, v, c, 65536, 1);
-        let two = write(dir.path(), &old, &new, v, c, 65536, 2);
-        let four = write(dir.path(), &old, &new, v, c, 65536, 4);
+        let one = write(dir.path(), &old, &new, v, c, 65536, 1, false);
+        let two = write(dir.path(), &old, &new, v, c, 65536, 2, false);
+        let four = write(dir.path(), &old, &new, v, c, 65536, 4, false);
         assert!(one == two && two == four, "v{v} {c}");
     }
 }
@@ -194,7 +183,7 @@ fn multi_block_replace_units_are_counted_exactly() {
     let old = vec![0u8; 0];
     let new = content(3, 19 * BS);
     let dir = tempfile::tempdir().unwrap();
-    write(dir.path(), &old, &new, 3, "lz4", 65536, 1);
+    write(dir.path(), &old, &new, 3, "lz4", 65536, 1, false);
     let r = CowReader::open(dir.path().join("u.cow")).unwrap();
     let blocks: Vec<u32> = r.ops().iter().map(|o| o.blocks).collect();
     assert_eq!(blocks, vec![16, 2, 1]);
