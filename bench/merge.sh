@@ -6,7 +6,7 @@
 # defaults to lz4, as in bench/serve.sh: the update a device boots from is
 # the one it merges, and lz4 is the codec devices decode; zstd:19, the diff's
 # default, makes a smaller COW whose payloads cost the merge more CPU; DIFF_ARGS
-# adds diff options, e.g. "--far-xor-blocks 4096"), then for
+# adds diff options, e.g. "--min-xor-run 64" or "--far-xor-blocks 4096"), then for
 # each engine a fresh, fully allocated copy of old.img and of the COW (a
 # device has no holes to allocate), caches dropped, `vabc merge --json`
 # (wall time, syscalls, fsyncs as counted by the engine), the result checked

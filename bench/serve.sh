@@ -32,7 +32,8 @@
 # Usage: bench/serve.sh [PAIR]        (default system; RUNTIME=8 seconds per random job,
 #                                     ROUNDS=3)
 # Subsets for quick iterations: CONFIGS="loop-raw vabc" JOBS="seq1 seq8" bench/serve.sh
-# Other COWs: DIFF_ARGS="--no-xor" bench/serve.sh (more `vabc diff` options)
+# Other COWs: DIFF_ARGS="--no-xor" or DIFF_ARGS="--min-xor-run 64 --block-order" bench/serve.sh
+# (more `vabc diff` options)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PAIR=${1:-system}
