@@ -180,6 +180,8 @@ impl Seg {
 thread_local! {
     // Plans are rebuilt per request; reusing the vector keeps the hot path allocation-free.
     static PLAN: RefCell<Vec<Seg>> = const { RefCell::new(Vec::new()) };
+    // Stored bytes of a multi-block REPLACE unit read with O_DIRECT, before decoding.
+    static STORED: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Base image + COW, served as the new image.
@@ -590,7 +592,7 @@ impl CowEngine {
         let unit = op.unit_size();
         if unit_offset == 0 && len == unit {
             self.stats.unit_decodes.fetch_add(1, Ordering::Relaxed);
-            self.reader.read_payload(op, dst)?;
+            self.read_unit(op, dst)?;
             return Ok(());
         }
         if op.blocks == 1 {
@@ -608,7 +610,7 @@ impl CowEngine {
             None => {
                 let mut v = vec![0u8; unit];
                 self.stats.unit_decodes.fetch_add(1, Ordering::Relaxed);
-                self.reader.read_payload(op, &mut v)?;
+                self.read_unit(op, &mut v)?;
                 let v = Arc::new(v);
                 self.cache.insert(op_index, v.clone());
                 v
@@ -616,6 +618,23 @@ impl CowEngine {
         };
         dst.copy_from_slice(&data[unit_offset..unit_offset + len]);
         Ok(())
+    }
+
+    /// Decodes a REPLACE op's payload into `out`. Multi-block units (runs of new data,
+    /// read in streams) are read past the page cache when the COW is open for direct
+    /// I/O, as the gathered path reads them: a buffered read would keep a second copy
+    /// of data the device above already caches. Single-block payloads (and XOR ones)
+    /// stay buffered, where neighbouring random reads share their pages.
+    fn read_unit(&self, op: &Op, out: &mut [u8]) -> Result<()> {
+        let Some(cow) = self.cow_file.as_ref().filter(|_| op.blocks > 1) else {
+            return Ok(self.reader.read_payload(op, out)?);
+        };
+        STORED.with(|s| {
+            let mut stored = s.borrow_mut();
+            stored.resize(op.data_length as usize, 0);
+            cow.read_exact_at(&mut stored, op.data_offset)?;
+            Ok(self.reader.decode_payload(op, &stored, out)?)
+        })
     }
 
     fn read_xor(
