@@ -24,9 +24,9 @@
 //! 2 101 pieces per pass over its 237 changed 2 MiB chunks, where block
 //! order reads one per chunk. The sequence costs 0.50 MB there (+0.7% of
 //! the lz4 COW, +1.1% of the zstd:19 one), and the merge, which reads the
-//! data window by window in merge order, took 5-34% longer (run medians); so it is an
-//! option, worth it with [`crate::lone`] for images read cold before the
-//! merge.
+//! data window by window in merge order, took 5-34% longer (run medians);
+//! so it is an option, worth it with [`crate::lone`] for images read cold
+//! before the merge.
 
 use std::borrow::Cow;
 use std::fs::File;
