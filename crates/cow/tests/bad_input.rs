@@ -26,9 +26,20 @@ fn seeds() -> Vec<(String, Vec<u8>)> {
         (3, Codec::Zstd, 0, 65536),
         (3, Codec::Gz, 0, 8192),
         (3, Codec::Brotli, 0, 4096),
+        // v3 with sequence data (`vabc diff --block-order`): ops by block.
+        (3, Codec::Lz4, 1, 16384),
     ];
     for &(version, codec, cluster, factor) in cases {
-        let name = format!("v{version}_{codec}_c{cluster}_f{factor}.cow");
+        // A v3 "cluster" of 1 stands for "with sequence data": v3 has no clusters.
+        let (name, cluster, sequence) = if version >= 3 && cluster != 0 {
+            (format!("v{version}_{codec}_seq_f{factor}.cow"), 0, true)
+        } else {
+            (
+                format!("v{version}_{codec}_c{cluster}_f{factor}.cow"),
+                cluster,
+                cluster != 0,
+            )
+        };
         let p = dir.path().join(&name);
         let mut w = CowWriter::create(
             &p,
@@ -45,7 +56,7 @@ fn seeds() -> Vec<(String, Vec<u8>)> {
             },
         )
         .unwrap();
-        if cluster != 0 {
+        if sequence {
             w.add_sequence(&[3, 2, 9]).unwrap();
         }
         w.add_copy(3, 4, 1).unwrap();
