@@ -24,9 +24,11 @@
 //! and takes 0.57-0.76 s instead of 0.90-1.05 s. Cold sequential serving
 //! gains less (0.64-0.67 of loop-on-raw at QD1 against 0.51-0.63 in the
 //! same runs) until the COW's data is also stored by block
-//! (`CowOptions::block_order`): then 0.61-0.73 at both queue depths,
+//! (`CowOptions::block_order`): then 0.59-0.81 at both queue depths,
 //! against 0.42-0.63 for the default COW. 16 and 128 lie on either side
-//! (lz4 +4.9% and +7.5%).
+//! (lz4 +4.9% and +7.5%); 256 (+10.5%) serves no faster than 64. Above
+//! about twice [`NEIGHBOURHOOD_BLOCKS`] no run can be seen whole, so whole
+//! XOR runs go too: 1024 converts 37 570 XORs (+82%).
 
 use crate::plan::{BlockOp, PlannedOp};
 

@@ -64,7 +64,8 @@ pub struct Args {
     /// form a run shorter than this many blocks that only XORs read (0,
     /// the default: keep every XOR). Each such run is a small read of its
     /// own when the image is served or merged. A trade of size for cold
-    /// sequential reads before the merge; see README.
+    /// sequential reads before the merge; see README. 64 measured best on
+    /// the corpus; above ~500 whole XOR runs are converted too.
     #[arg(long, value_name = "BLOCKS", default_value_t = 0)]
     pub min_xor_run: u64,
     /// v3: store the ops, and so their data, ascending by block, with the
