@@ -25,6 +25,18 @@ fn merged(cow: &std::path::Path) -> (u64, u64) {
 
 #[test]
 fn served_image_is_right_during_and_after_merge() {
+    served_right_through_merge(&[]);
+}
+
+/// A COW whose ops are stored by block, the merge order in its sequence
+/// data, and with more REPLACE ops (`--min-xor-run`): the served view must
+/// follow the merge order, not the stream order.
+#[test]
+fn block_order_cow_is_right_during_and_after_merge() {
+    served_right_through_merge(&["--block-order", "--min-xor-run", "16"]);
+}
+
+fn served_right_through_merge(diff_args: &[&str]) {
     let tmp = tempfile::tempdir().unwrap();
     let t = tmp.path();
     let old = corpus_image("small", "old", "ext4");
@@ -38,6 +50,7 @@ fn served_image_is_right_during_and_after_merge() {
         .arg(&new)
         .arg("-o")
         .arg(&cow)
+        .args(diff_args)
         .output()
         .unwrap();
     assert!(
