@@ -21,7 +21,7 @@
 //! (+6.4%; 3 396 in the zstd:19 COW, +3.9%, which takes it from 1.287 to
 //! 1.337 times xdelta3 -9's patch, over the create target of 1.3: hence
 //! off by default). The merge issues 11 900 requests instead of 27 700
-//! and takes 0.57-0.76 s instead of 0.90-1.05 s. Cold sequential serving
+//! and takes 0.57-0.81 s instead of 0.90-1.05 s. Cold sequential serving
 //! gains less (0.64-0.67 of loop-on-raw at QD1 against 0.51-0.63 in the
 //! same runs) until the COW's data is also stored by block
 //! (`CowOptions::block_order`): then 0.59-0.81 at both queue depths,
