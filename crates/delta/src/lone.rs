@@ -30,6 +30,7 @@
 //! about twice [`NEIGHBOURHOOD_BLOCKS`] no run can be seen whole, so whole
 //! XOR runs go too: 1024 converts 37 570 XORs (+82%).
 
+use crate::order::source_blocks;
 use crate::plan::{BlockOp, PlannedOp};
 
 /// NEW blocks on either side of an XOR whose OLD reads count as its
@@ -41,19 +42,14 @@ pub const NEIGHBOURHOOD_BLOCKS: u64 = 256;
 /// engine reads through holes of up to 32 KiB rather than split a request.
 pub const READ_THROUGH_BLOCKS: u64 = 8;
 
-/// The OLD blocks that reading NEW block `dst` touches, given its op
-/// (`None`: unchanged, read from OLD at the same offset).
-fn old_reads(dst: u64, op: Option<&BlockOp>) -> (Option<u64>, Option<u64>) {
-    match op {
-        None => (Some(dst), None),
-        Some(BlockOp::Copy { src_block }) => (Some(*src_block), None),
-        Some(BlockOp::Xor { src_offset }) => {
-            let bs = crate::BLOCK_SIZE as u64;
-            let first = src_offset / bs;
-            (Some(first), (src_offset % bs != 0).then_some(first + 1))
-        }
-        Some(BlockOp::Zero | BlockOp::Replace) => (None, None),
-    }
+/// The OLD blocks that reading NEW block `dst` touches, given its op: an
+/// op's sources ([`source_blocks`]), or for an unchanged block (`None`)
+/// the block itself.
+fn old_reads(dst: u64, op: Option<BlockOp>) -> impl Iterator<Item = u64> {
+    let unchanged = op.is_none().then_some(dst);
+    unchanged
+        .into_iter()
+        .chain(op.into_iter().flat_map(|o| source_blocks(&o)))
 }
 
 /// Turn into REPLACE every XOR whose OLD source lies in a short run that
@@ -72,40 +68,34 @@ pub fn replace_lone_xors(ops: &mut [PlannedOp], new_blocks: u64, min_run: u64) -
     debug_assert!(ops.windows(2).all(|w| w[0].dst < w[1].dst));
     // A run that reaches past this distance from the source spans at least
     // `min_run` blocks, so reads farther away cannot change the verdict.
-    let reach = min_run + READ_THROUGH_BLOCKS + 1;
+    let reach = min_run.saturating_add(READ_THROUGH_BLOCKS + 1);
     let mut lone = Vec::new();
     // (OLD block, read by an XOR): the reads near one XOR's source.
     let mut near: Vec<(u64, bool)> = Vec::new();
     for (i, o) in ops.iter().enumerate() {
-        let (BlockOp::Xor { .. }, (Some(s0), s1)) = (o.op, old_reads(o.dst, Some(&o.op))) else {
+        if !matches!(o.op, BlockOp::Xor { .. }) {
             continue;
-        };
-        let s1 = s1.unwrap_or(s0);
-        let (near_lo, near_hi) = (s0.saturating_sub(reach), s1.saturating_add(reach));
+        }
+        let mut src = source_blocks(&o.op);
+        let Some(s0) = src.next() else { continue };
+        let s1 = src.next().unwrap_or(s0);
+        let near_range = s0.saturating_sub(reach)..=s1.saturating_add(reach);
         let lo = o.dst.saturating_sub(NEIGHBOURHOOD_BLOCKS);
         let hi = o
             .dst
             .saturating_add(NEIGHBOURHOOD_BLOCKS)
             .min(new_blocks - 1);
         near.clear();
-        let mut push = |b: Option<u64>, xor: bool| {
-            if let Some(b) = b.filter(|b| (near_lo..=near_hi).contains(b)) {
-                near.push((b, xor));
-            }
-        };
-        let first = ops.partition_point(|x| x.dst < lo);
-        let mut k = first;
+        let mut k = ops.partition_point(|x| x.dst < lo);
         for n in lo..=hi {
-            let op = (k < ops.len() && ops[k].dst == n).then(|| &ops[k].op);
+            let op = (k < ops.len() && ops[k].dst == n).then(|| ops[k].op);
             k += usize::from(op.is_some());
-            // Unchanged blocks are read only where they lie near the source.
-            if op.is_none() && !(near_lo..=near_hi).contains(&n) {
-                continue;
-            }
-            let (a, b) = old_reads(n, op);
             let xor = matches!(op, Some(BlockOp::Xor { .. }));
-            push(a, xor);
-            push(b, xor);
+            near.extend(
+                old_reads(n, op)
+                    .filter(|b| near_range.contains(b))
+                    .map(|b| (b, xor)),
+            );
         }
         near.sort_unstable();
         // The run through s0: extend down, then up, across short holes.
@@ -119,7 +109,7 @@ pub fn replace_lone_xors(ops: &mut [PlannedOp], new_blocks: u64, min_run: u64) -
             only_xor &= xor;
         }
         for &(b, xor) in &near[at..] {
-            if b > end + READ_THROUGH_BLOCKS + 1 {
+            if b > end.saturating_add(READ_THROUGH_BLOCKS + 1) {
                 break;
             }
             end = end.max(b);
@@ -214,6 +204,15 @@ mod tests {
         far[4] = xor(104, 5013 * BS);
         assert_eq!(far[4].dst, 104);
         assert_eq!(replace_lone_xors(&mut far, 4000, 3), 5);
+    }
+
+    #[test]
+    fn any_min_run_is_safe() {
+        // `--min-xor-run` takes any number: the largest converts every XOR
+        // that no COPY or unchanged block joins, without overflowing.
+        let mut ops = vec![copy(3, 100), xor(4, 101 * BS + 9), xor(9, 7_000 * BS)];
+        assert_eq!(replace_lone_xors(&mut ops, 20, u64::MAX), 1);
+        assert_eq!(xors(&ops), vec![4]);
     }
 
     #[test]
