@@ -2,10 +2,14 @@
 # Serving the new image of an update before merging, measured against two anchors in
 # the same run (notes/serving.md explains the stacks):
 #   loop-raw  a loop device (direct I/O) on the raw new.img: the limit of this machine
-#   vabc      vabc serve --fuse (base + COW) + loop device (direct I/O)
-#   vabc-uring  the same over FUSE-over-io_uring (--fuse-uring, with its default ring
-#             poll; turns the kernel switch /sys/module/fuse/parameters/enable_uring on
-#             for the run, then back)
+#   vabc      vabc serve --fuse (base + COW) + loop device (direct I/O), default
+#             options: FUSE over io_uring, for which the bench turns the kernel switch
+#             /sys/module/fuse/parameters/enable_uring on for the run (then back; off,
+#             `vabc serve` would answer through /dev/fuse, as vabc-classic does)
+#   vabc-classic  the same with --fuse-transport classic (requests read from and
+#             answered through /dev/fuse)
+#   vabc-uring  --fuse-transport uring: what `vabc` is when the switch is on (named so
+#             before io_uring became the default, 2026-11-25)
 #   qsd       qemu-storage-daemon's FUSE export of the raw new.img + loop (direct I/O):
 #             a peer that serves a plain file, so an upper bound for a FUSE daemon
 # Data: the corpus pair `system` (ext4), COW made with `vabc diff` (v3, lz4, default
@@ -32,6 +36,7 @@
 # Usage: bench/serve.sh [PAIR]        (default system; RUNTIME=8 seconds per random job,
 #                                     ROUNDS=3)
 # Subsets for quick iterations: CONFIGS="loop-raw vabc" JOBS="seq1 seq8" bench/serve.sh
+# (CONFIGS may also name vabc-uring)
 # Other COWs: DIFF_ARGS="--no-xor" or DIFF_ARGS="--min-xor-run 64 --block-order" bench/serve.sh
 # (more `vabc diff` options)
 set -euo pipefail
@@ -39,7 +44,7 @@ cd "$(dirname "$0")/.."
 PAIR=${1:-system}
 RUNTIME=${RUNTIME:-8}
 ROUNDS=${ROUNDS:-3}
-CONFIGS=${CONFIGS:-loop-raw vabc vabc-uring qsd}
+CONFIGS=${CONFIGS:-loop-raw vabc vabc-classic qsd}
 JOBS=${JOBS:-seq1 seq8 rnd1 rnd32 cache}
 SEQ_SIZE=${SEQ_SIZE:-512M}
 CORPUS=${CORPUS:-${TMPDIR:-/tmp}/corpus}
@@ -199,11 +204,21 @@ start_vabc_daemon() { # CFG DIR LOG [serve args...]
 	loop_on "$cfg" "$dir/disk.img"
 	FILES[$cfg]="$dir/disk.img $OLD $COW"
 }
-start_vabc() { start_vabc_daemon vabc "$WORK/fuse" "$WORK/serve.log"; }
-start_vabc_uring() {
-	URING_WAS=$(cat /sys/module/fuse/parameters/enable_uring)
+uring_on() {
+	[ -n "$URING_WAS" ] || URING_WAS=$(cat /sys/module/fuse/parameters/enable_uring)
 	echo Y >/sys/module/fuse/parameters/enable_uring
-	start_vabc_daemon vabc-uring "$WORK/fuse-uring" "$WORK/serve-uring.log" --fuse-uring
+}
+start_vabc() {
+	uring_on
+	start_vabc_daemon vabc "$WORK/fuse" "$WORK/serve.log"
+	# The default must have picked the rings; a row measuring the other transport
+	# under this name would mislead.
+	grep -q "over FUSE io_uring" "$WORK/serve.log" || { echo "vabc serve did not pick FUSE over io_uring:" >&2; cat "$WORK/serve.log" >&2; exit 1; }
+}
+start_vabc_classic() { start_vabc_daemon vabc-classic "$WORK/fuse-classic" "$WORK/serve-classic.log" --fuse-transport classic; }
+start_vabc_uring() {
+	uring_on
+	start_vabc_daemon vabc-uring "$WORK/fuse-uring" "$WORK/serve-uring.log" --fuse-transport uring
 }
 
 # (c) qemu-storage-daemon FUSE export of the raw new image, loop on top
@@ -256,7 +271,9 @@ if has cache; then
 fi
 cleanup
 # How many requests went through the rings (the daemon says so as it stops).
-if want vabc-uring; then grep -h "via the rings" "$WORK/serve-uring.log" || true; fi
+for c in vabc vabc-uring; do
+	if want "$c"; then echo "$c: $(grep -h "via the rings" "$WORK/serve${c#vabc}.log" || true)"; fi
+done
 RAN=$round
 # The median of the numeric arguments ("-" if none), printed with FORMAT.
 median() { # FORMAT VALUES...
@@ -298,12 +315,12 @@ echo "pair $PAIR: new.ext4.img $((SIZE / 1048576)) MiB, COW $(($(stat -L -c %s "
 echo
 echo "| config | seq 1M QD1 MiB/s | seq 1M QD8 MiB/s | rand 4K QD1 IOPS | rand 4K QD32 IOPS | page-cache copies after one full read (MiB per layer) |"
 echo "|---|---|---|---|---|---|"
-for c in loop-raw vabc vabc-uring qsd; do
+for c in loop-raw vabc vabc-classic vabc-uring qsd; do
 	want "$c" || R[$c.seq1]=- R[$c.seq8]=- R[$c.rnd1]=- R[$c.rnd32]=- R[$c.copies]=- R[$c.cache]=""
 	echo "| $c | ${R[$c.seq1]} | ${R[$c.seq8]} | ${R[$c.rnd1]} | ${R[$c.rnd32]} | ${R[$c.copies]} (${R[$c.cache]% }) |"
 done
 echo
-for c in vabc vabc-uring; do
+for c in vabc vabc-classic vabc-uring; do
 	want "$c" || continue
 	echo "$c / loop-raw, seq 1M QD1: $(ratios "$c" loop-raw seq1)  QD8: $(ratios "$c" loop-raw seq8)   (target >= 0.8)"
 	echo "$c / qsd, rand 4K QD32: $(ratios "$c" qsd rnd32)   QD1: $(ratios "$c" qsd rnd1)   (target >= 1.5)"

@@ -259,3 +259,84 @@ fn switched_off_kernel_gives_a_clear_error() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// `--fuse-transport auto` (the default) serves over the rings when the switch is on, and
+/// through /dev/fuse, with a note saying how to switch them on, when it is off; both
+/// give the expected image. Asking for both transports at once is refused.
+#[test]
+fn auto_transport_follows_the_kernel_switch() {
+    let v = vectors();
+    let base = v.join("base.img");
+    let cow = v.join("v3_lz4_65536.cow");
+    let expected = v.join("expected.img");
+    let size = std::fs::metadata(&expected).unwrap().len().to_string();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("fuse");
+    std::fs::create_dir(&dir).unwrap();
+    for on in [true, false] {
+        let log = tmp.path().join(format!("serve-{on}.log"));
+        let server = {
+            let _guard = PARAM_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+            set_param(on);
+            let args = [
+                os("--base"),
+                base.as_os_str(),
+                os("--cow"),
+                cow.as_os_str(),
+                os("--size"),
+                os(&size),
+                os("--fuse"),
+                dir.as_os_str(),
+                os("--fuse-transport"),
+                os("auto"),
+            ];
+            let server = Server::start_logged(&args, &log);
+            set_param(true);
+            server
+        };
+        let via = if on {
+            "over FUSE io_uring"
+        } else {
+            "through /dev/fuse"
+        };
+        assert!(
+            server.stdout.iter().any(|l| l.contains(via)),
+            "switch {on}: {:?}",
+            server.stdout
+        );
+        assert_same_file(&dir.join("disk.img"), &expected);
+        if on {
+            let (ring, _dev) = stop_and_count(server, &log);
+            assert!(ring >= 3, "only {ring} requests via the rings");
+        } else {
+            let status = server.stop();
+            let text = std::fs::read_to_string(&log).unwrap();
+            assert!(status.success(), "serve exited with {status}: {text}");
+            assert!(
+                text.contains("switched off") && text.contains("echo Y >"),
+                "no note on the switch: {text}"
+            );
+            assert!(!text.contains("via the rings"), "{text}");
+        }
+        assert_nothing_left(tmp.path());
+    }
+    let out = run_vabc(&[
+        "serve",
+        "--base",
+        &base.to_string_lossy(),
+        "--cow",
+        &cow.to_string_lossy(),
+        "--fuse",
+        &dir.to_string_lossy(),
+        "--fuse-uring",
+        "--fuse-transport",
+        "classic",
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("cannot be used with"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_nothing_left(tmp.path());
+}

@@ -145,26 +145,47 @@ pub struct UringStats {
     pub planned: u64,
 }
 
+/// Whether this kernel lets a FUSE server use io_uring (see [`support`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UringSupport {
+    /// [`ENABLE_PARAM`] is on: servers that ask for rings get them.
+    Enabled,
+    /// Built in but switched off (the kernel's default): root can turn it on.
+    Disabled,
+    /// The kernel has no FUSE over io_uring (before 6.14, or built without
+    /// CONFIG_FUSE_IO_URING).
+    Absent,
+}
+
+/// What [`ENABLE_PARAM`] says right now; an error only when it exists and cannot be read.
+pub fn support() -> Result<UringSupport> {
+    match std::fs::read_to_string(ENABLE_PARAM) {
+        Ok(v) if matches!(v.trim(), "Y" | "1") => Ok(UringSupport::Enabled),
+        Ok(_) => Ok(UringSupport::Disabled),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(UringSupport::Absent),
+        Err(e) => Err(io_err("read", ENABLE_PARAM)(e)),
+    }
+}
+
 /// Whether the kernel accepts FUSE-over-io_uring servers right now; an error when it
 /// cannot (parameter absent or off), saying how to turn it on.
 pub fn check_enabled() -> Result<()> {
     let path = Path::new(ENABLE_PARAM);
-    match std::fs::read_to_string(path) {
-        Ok(v) if matches!(v.trim(), "Y" | "1") => Ok(()),
-        Ok(_) => Err(ServeError::Invalid {
+    match support()? {
+        UringSupport::Enabled => Ok(()),
+        UringSupport::Disabled => Err(ServeError::Invalid {
             path: path.into(),
             msg: "FUSE over io_uring is disabled in the kernel; enable it with \
-                  `echo Y > /sys/module/fuse/parameters/enable_uring` (as root) \
-                  or serve without --fuse-uring"
+                  `echo Y > /sys/module/fuse/parameters/enable_uring` (as root), \
+                  or let `vabc serve` choose (`--fuse-transport auto`, the default)"
                 .into(),
         }),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Err(ServeError::Invalid {
+        UringSupport::Absent => Err(ServeError::Invalid {
             path: path.into(),
             msg: "this kernel has no FUSE over io_uring (needs Linux 6.14+ built with \
-                  CONFIG_FUSE_IO_URING); serve without --fuse-uring"
+                  CONFIG_FUSE_IO_URING); serve with `--fuse-transport classic` or `auto`"
                 .into(),
         }),
-        Err(e) => Err(io_err("read", path)(e)),
     }
 }
 

@@ -205,9 +205,20 @@ impl Server {
             Some(p) => Stdio::from(std::fs::File::create(p).unwrap()),
             None => Stdio::inherit(),
         };
+        // The default transport (auto) follows a kernel switch that the io_uring tests
+        // flip; tests that do not choose one test the /dev/fuse path, every time.
+        let fuse = args.iter().any(|a| *a == "--fuse" || *a == "--mount");
+        let chosen = args
+            .iter()
+            .any(|a| *a == "--fuse-uring" || *a == "--fuse-transport");
+        let pin: &[&str] = match fuse && !chosen {
+            true => &["--fuse-transport", "classic"],
+            false => &[],
+        };
         let mut child = Command::new(vabc())
             .arg("serve")
             .args(args)
+            .args(pin)
             .stdout(Stdio::piped())
             .stderr(stderr)
             .spawn()
