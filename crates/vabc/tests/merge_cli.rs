@@ -80,6 +80,27 @@ fn badseq_is_refused_and_nothing_changes() {
         assert_eq!(sha256_file(&base), b0);
         assert_eq!(sha256_file(&cow), c0);
     }
+    // `serve --merge` refuses it before serving, saying why.
+    let sock = dir.path().join("nbd.sock");
+    let o = run_vabc(&[
+        "serve",
+        "--base",
+        base.to_str().unwrap(),
+        "--cow",
+        cow.to_str().unwrap(),
+        "--nbd",
+        &format!("unix:{}", sock.display()),
+        "--merge",
+    ]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("cannot merge") && err.contains("merge order is unsafe"),
+        "{err}"
+    );
+    assert!(!String::from_utf8_lossy(&o.stdout).contains("ready"));
+    assert_eq!(sha256_file(&base), b0);
+    assert_eq!(sha256_file(&cow), c0);
     // A base that is too small is refused too, untouched.
     let small = dir.path().join("small.img");
     std::fs::write(&small, vec![7u8; 64 * 4096]).unwrap();

@@ -17,15 +17,8 @@ use std::sync::Mutex;
 
 use serve_common::*;
 
-const PARAM: &str = "/sys/module/fuse/parameters/enable_uring";
-
 /// Held while a server starts: one test switches the parameter off for a moment.
 static PARAM_LOCK: Mutex<()> = Mutex::new(());
-
-fn set_param(on: bool) {
-    std::fs::write(PARAM, if on { "Y" } else { "N" })
-        .unwrap_or_else(|e| panic!("write {PARAM} (needs root and CONFIG_FUSE_IO_URING): {e}"));
-}
 
 fn start(
     base: &Path,
@@ -35,7 +28,7 @@ fn start(
     log: &Path,
 ) -> Server {
     let _guard = PARAM_LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    set_param(true);
+    set_fuse_uring_param(true);
     let mut args = vec![os("--base"), base.as_os_str(), os("--cow"), cow.as_os_str()];
     if let Some(s) = size {
         args.extend([os("--size"), os(s)]);
@@ -219,7 +212,7 @@ fn switched_off_kernel_gives_a_clear_error() {
     std::fs::create_dir(&dir).unwrap();
     let out = {
         let _guard = PARAM_LOCK.lock().unwrap_or_else(|e| e.into_inner());
-        set_param(false);
+        set_fuse_uring_param(false);
         let out = Command::new(vabc())
             .arg("serve")
             .arg("--base")
@@ -231,7 +224,7 @@ fn switched_off_kernel_gives_a_clear_error() {
             .arg("--fuse-uring")
             .output()
             .unwrap();
-        set_param(true);
+        set_fuse_uring_param(true);
         out
     };
     let err = String::from_utf8_lossy(&out.stderr);
@@ -277,7 +270,7 @@ fn auto_transport_follows_the_kernel_switch() {
         let log = tmp.path().join(format!("serve-{on}.log"));
         let server = {
             let _guard = PARAM_LOCK.lock().unwrap_or_else(|e| e.into_inner());
-            set_param(on);
+            set_fuse_uring_param(on);
             let args = [
                 os("--base"),
                 base.as_os_str(),
@@ -291,7 +284,7 @@ fn auto_transport_follows_the_kernel_switch() {
                 os("auto"),
             ];
             let server = Server::start_logged(&args, &log);
-            set_param(true);
+            set_fuse_uring_param(true);
             server
         };
         let via = if on {

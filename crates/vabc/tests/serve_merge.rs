@@ -114,3 +114,106 @@ fn served_right_through_merge(diff_args: &[&str]) {
     compare();
     assert!(server.stop().success());
 }
+
+/// The FUSE file served over io_uring (the default transport where the kernel allows
+/// it) while the base is merged underneath: four readers of random ranges see only the
+/// new image's bytes, and so does a whole read after the merge.
+#[test]
+fn fuse_rings_serve_the_new_image_during_merge() {
+    use std::os::unix::fs::FileExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let old = corpus_image("small", "old", "ext4");
+    let new = corpus_image("small", "new", "ext4");
+    let base = t.join("base.img");
+    let cow = t.join("update.cow");
+    std::fs::copy(&old, &base).unwrap();
+    let o = Command::new(vabc())
+        .arg("diff")
+        .arg(&old)
+        .arg(&new)
+        .arg("-o")
+        .arg(&cow)
+        .args(["--compression", "lz4"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let size = std::fs::metadata(&new).unwrap().len();
+    let dir = t.join("fuse");
+    std::fs::create_dir(&dir).unwrap();
+    set_fuse_uring_param(true);
+    let server = Server::start(&[
+        os("--base"),
+        base.as_os_str(),
+        os("--cow"),
+        cow.as_os_str(),
+        os("--size"),
+        os(&size.to_string()),
+        os("--fuse"),
+        dir.as_os_str(),
+        os("--fuse-transport"),
+        os("uring"),
+        os("--merge"),
+    ]);
+    assert!(
+        server
+            .stdout
+            .iter()
+            .any(|l| l.contains("over FUSE io_uring")),
+        "{:?}",
+        server.stdout
+    );
+    let want = std::sync::Arc::new(std::fs::read(&new).unwrap());
+    assert_eq!(want.len() as u64, size);
+    let disk = dir.join("disk.img");
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let readers: Vec<_> = (0..4u64)
+        .map(|r| {
+            let (want, done, disk) = (want.clone(), done.clone(), disk.clone());
+            std::thread::spawn(move || {
+                let f = std::fs::File::open(&disk).unwrap();
+                let mut x = r.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+                let mut reads = 0u64;
+                // At least 200 reads each, and on until the merge is over.
+                while reads < 200 || !done.load(std::sync::atomic::Ordering::Relaxed) {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    let len = [BS as u64, 3 * BS as u64 + 100, 256 << 10][(x % 3) as usize];
+                    let off = (x >> 8) % (size - len);
+                    let mut buf = vec![0u8; len as usize];
+                    f.read_exact_at(&mut buf, off).unwrap();
+                    assert!(
+                        buf[..] == want[off as usize..][..len as usize],
+                        "reader {r}: wrong bytes at {off}+{len}"
+                    );
+                    reads += 1;
+                }
+                reads
+            })
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        let (merged_ops, total) = merged(&cow);
+        if merged_ops == total {
+            break;
+        }
+        assert!(Instant::now() < deadline, "merge not finished");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    for r in readers {
+        assert!(r.join().unwrap() >= 200);
+    }
+    assert!(
+        std::fs::read(&disk).unwrap() == *want,
+        "served image after merge"
+    );
+    assert!(server.stop().success());
+    assert!(
+        std::fs::read(&base).unwrap() == *want,
+        "base is not the new image after the merge"
+    );
+    assert_nothing_left(t);
+}

@@ -16,7 +16,7 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use serve_common::{BS, Server, assert_nothing_left, os, run, vabc};
+use serve_common::{BS, Server, assert_nothing_left, os, run, set_fuse_uring_param, vabc};
 
 /// 4 MiB: 1024 data blocks, so the sha256 tree has 8 leaf blocks of 128 digests
 /// under one top block.
@@ -240,16 +240,44 @@ fn size_arg(f: &Fixture) -> &'static str {
 
 /// Serves (`old`, `cow`, `hash`) through FUSE and NBD at once and checks every block
 /// through both: blocks in `bad` fail with EIO (and are logged), all others equal
-/// new.img.
+/// new.img. Once with FUSE answered through /dev/fuse, once over io_uring.
 fn check_served(f: &Fixture, old: &Path, cow: &Path, hash: &Path, bad: &BTreeSet<u64>) {
+    for transport in ["classic", "uring"] {
+        check_served_via(f, old, cow, hash, bad, transport);
+    }
+}
+
+fn check_served_via(
+    f: &Fixture,
+    old: &Path,
+    cow: &Path,
+    hash: &Path,
+    bad: &BTreeSet<u64>,
+    transport: &str,
+) {
     let t = f.dir.path();
     let fuse_dir = t.join("fuse");
     std::fs::create_dir_all(&fuse_dir).unwrap();
     let sock = t.join("nbd.sock");
+    let _ = std::fs::remove_file(&sock);
     let addr = format!("unix:{}", sock.display());
     let mut args = serve_args(f, old, cow, hash, &f.root);
     args.extend([os("--fuse"), fuse_dir.as_os_str(), os("--nbd"), os(&addr)]);
+    args.extend([os("--fuse-transport"), os(transport)]);
+    if transport == "uring" {
+        // This binary never switches it off, so no lock is needed.
+        set_fuse_uring_param(true);
+    }
     let daemon = Server::start_logged(&args, &t.join("serve.log"));
+    let via = match transport {
+        "uring" => "over FUSE io_uring",
+        _ => "through /dev/fuse",
+    };
+    assert!(
+        daemon.stdout.iter().any(|l| l.contains(via)),
+        "{:?}",
+        daemon.stdout
+    );
     let disk = File::open(fuse_dir.join("disk.img")).unwrap();
     let (mut conn, size) = nbd_connect(&sock);
     assert_eq!(size, BLOCKS * BS as u64);

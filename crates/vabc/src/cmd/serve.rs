@@ -418,7 +418,8 @@ impl MergeJob {
         if h.buffer_size > 0 {
             reader.read_file_at(&mut state, u64::from(h.header_size))?;
         }
-        if !args.merge && h.num_merge_ops == 0 && state[0] != merge::merger::STATE_DONE {
+        let started = h.num_merge_ops > 0 || state[0] == merge::merger::STATE_DONE;
+        if !args.merge && !started {
             return Ok(None);
         }
         let reader = cow::CowReader::open(&args.cow)?;
@@ -433,7 +434,14 @@ impl MergeJob {
             args.base.clone(),
             merge::MergeOptions::default(),
         )
-        .context("the COW is partly merged, but its merge cannot be tracked")?;
+        .with_context(|| match started {
+            true => "the COW is partly merged, but its merge cannot be tracked".to_string(),
+            false => format!(
+                "cannot merge {} into {}",
+                args.cow.display(),
+                args.base.display()
+            ),
+        })?;
         // Reads only: the device state as the merge left it.
         m.load_status(
             &mut merge::SyncIo::new(ro(&args.base)?, ro(&args.cow)?),

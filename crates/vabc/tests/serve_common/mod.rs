@@ -305,6 +305,15 @@ pub fn sigterm(pid: u32) {
         .status();
 }
 
+/// Switches the kernel's FUSE-over-io_uring parameter on or off (root, Linux 6.14+ with
+/// CONFIG_FUSE_IO_URING). It only lets FUSE servers that ask for rings use them, so
+/// other daemons are unaffected.
+pub fn set_fuse_uring_param(on: bool) {
+    const PARAM: &str = "/sys/module/fuse/parameters/enable_uring";
+    std::fs::write(PARAM, if on { "Y" } else { "N" })
+        .unwrap_or_else(|e| panic!("write {PARAM} (needs root and CONFIG_FUSE_IO_URING): {e}"));
+}
+
 pub fn os<S: AsRef<std::ffi::OsStr> + ?Sized>(s: &S) -> &std::ffi::OsStr {
     s.as_ref()
 }
