@@ -24,7 +24,7 @@
 //! The file system ([`fs`]) answers like the classic frontend.
 
 mod async_queue;
-mod fs;
+pub(crate) mod fs;
 pub(crate) mod proto;
 mod ring;
 #[cfg(test)]
