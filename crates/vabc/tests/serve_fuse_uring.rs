@@ -94,14 +94,7 @@ fn serves_every_aosp_vector_through_the_rings() {
             &[os("--fuse"), dir.as_os_str()],
             &log,
         );
-        assert!(
-            server
-                .stdout
-                .iter()
-                .any(|l| l.contains("over FUSE io_uring")),
-            "{:?}",
-            server.stdout
-        );
+        server.assert_said("over FUSE io_uring");
         assert_same_file(&dir.join("disk.img"), &expected);
         let (ring, _dev) = stop_and_count(server, &log);
         // At least the reads of the whole file (size / 1 MiB) plus LOOKUP/OPEN.
@@ -292,11 +285,7 @@ fn auto_transport_follows_the_kernel_switch() {
         } else {
             "through /dev/fuse"
         };
-        assert!(
-            server.stdout.iter().any(|l| l.contains(via)),
-            "switch {on}: {:?}",
-            server.stdout
-        );
+        server.assert_said(via);
         assert_same_file(&dir.join("disk.img"), &expected);
         if on {
             let (ring, _dev) = stop_and_count(server, &log);

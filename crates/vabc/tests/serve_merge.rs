@@ -23,22 +23,12 @@ fn merged(cow: &std::path::Path) -> (u64, u64) {
     )
 }
 
-#[test]
-fn served_image_is_right_during_and_after_merge() {
-    served_right_through_merge(&[]);
-}
-
-/// A COW whose ops are stored by block, the merge order in its sequence
-/// data, and with more REPLACE ops (`--min-xor-run`): the served view must
-/// follow the merge order, not the stream order.
-#[test]
-fn block_order_cow_is_right_during_and_after_merge() {
-    served_right_through_merge(&["--block-order", "--min-xor-run", "16"]);
-}
-
-fn served_right_through_merge(diff_args: &[&str]) {
-    let tmp = tempfile::tempdir().unwrap();
-    let t = tmp.path();
+/// The `small` ext4 pair's update made by `vabc diff DIFF_ARGS` in `t`: (new.img, a
+/// copy of old.img to merge into, the COW).
+fn small_pair_update(
+    t: &std::path::Path,
+    diff_args: &[&str],
+) -> (std::path::PathBuf, std::path::PathBuf, std::path::PathBuf) {
     let old = corpus_image("small", "old", "ext4");
     let new = corpus_image("small", "new", "ext4");
     let base = t.join("base.img");
@@ -58,6 +48,26 @@ fn served_right_through_merge(diff_args: &[&str]) {
         "diff: {}",
         String::from_utf8_lossy(&o.stderr)
     );
+    (new, base, cow)
+}
+
+#[test]
+fn served_image_is_right_during_and_after_merge() {
+    served_right_through_merge(&[]);
+}
+
+/// A COW whose ops are stored by block, the merge order in its sequence
+/// data, and with more REPLACE ops (`--min-xor-run`): the served view must
+/// follow the merge order, not the stream order.
+#[test]
+fn block_order_cow_is_right_during_and_after_merge() {
+    served_right_through_merge(&["--block-order", "--min-xor-run", "16"]);
+}
+
+fn served_right_through_merge(diff_args: &[&str]) {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let (new, base, cow) = small_pair_update(t, diff_args);
     let sock = t.join("nbd.sock");
     let addr = format!("unix:{}", sock.display());
     let server = Server::start(&[
@@ -123,21 +133,7 @@ fn fuse_rings_serve_the_new_image_during_merge() {
     use std::os::unix::fs::FileExt;
     let tmp = tempfile::tempdir().unwrap();
     let t = tmp.path();
-    let old = corpus_image("small", "old", "ext4");
-    let new = corpus_image("small", "new", "ext4");
-    let base = t.join("base.img");
-    let cow = t.join("update.cow");
-    std::fs::copy(&old, &base).unwrap();
-    let o = Command::new(vabc())
-        .arg("diff")
-        .arg(&old)
-        .arg(&new)
-        .arg("-o")
-        .arg(&cow)
-        .args(["--compression", "lz4"])
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let (new, base, cow) = small_pair_update(t, &["--compression", "lz4"]);
     let size = std::fs::metadata(&new).unwrap().len();
     let dir = t.join("fuse");
     std::fs::create_dir(&dir).unwrap();
@@ -155,14 +151,7 @@ fn fuse_rings_serve_the_new_image_during_merge() {
         os("uring"),
         os("--merge"),
     ]);
-    assert!(
-        server
-            .stdout
-            .iter()
-            .any(|l| l.contains("over FUSE io_uring")),
-        "{:?}",
-        server.stdout
-    );
+    server.assert_said("over FUSE io_uring");
     let want = std::sync::Arc::new(std::fs::read(&new).unwrap());
     assert_eq!(want.len() as u64, size);
     let disk = dir.join("disk.img");

@@ -273,11 +273,7 @@ fn check_served_via(
         "uring" => "over FUSE io_uring",
         _ => "through /dev/fuse",
     };
-    assert!(
-        daemon.stdout.iter().any(|l| l.contains(via)),
-        "{:?}",
-        daemon.stdout
-    );
+    daemon.assert_said(via);
     let disk = File::open(fuse_dir.join("disk.img")).unwrap();
     let (mut conn, size) = nbd_connect(&sock);
     assert_eq!(size, BLOCKS * BS as u64);

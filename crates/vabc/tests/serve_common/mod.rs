@@ -261,6 +261,15 @@ impl Server {
         }
     }
 
+    /// Asserts that a line the server printed before "ready" contains `text`.
+    pub fn assert_said(&self, text: &str) {
+        assert!(
+            self.stdout.iter().any(|l| l.contains(text)),
+            "no {text:?} in {:?}",
+            self.stdout
+        );
+    }
+
     /// What the server wrote to stderr so far (only for [`Server::start_logged`]).
     pub fn log(&self) -> String {
         self.stderr_log
