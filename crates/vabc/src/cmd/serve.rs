@@ -115,7 +115,7 @@ pub enum FuseTransport {
     /// io_uring if the kernel allows it, else classic.
     Auto,
     /// FUSE over io_uring: per-CPU rings, small reads answered without blocking a
-    /// thread (random 4 KiB reads at depth 32: ~1.4x classic's IOPS in bench/serve.sh).
+    /// thread (random 4 KiB reads at depth 32: 1.3-1.4x classic's IOPS in bench/serve.sh).
     Uring,
     /// Requests read from and answered through /dev/fuse by a thread pool.
     Classic,
