@@ -49,8 +49,66 @@ fn main() -> std::process::ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("vabc: error: {e:#}");
+            eprintln!("vabc: error: {}", error_chain(&e));
             std::process::ExitCode::FAILURE
         }
+    }
+}
+
+/// The error and its causes joined by ": ", as `{:#}` would, except that a cause whose
+/// text already ends the message is not repeated: the libraries' errors include their
+/// I/O cause in their own text (so that they read well alone) and also return it as
+/// their source.
+fn error_chain(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if out.ends_with(&text) {
+            continue;
+        }
+        if !out.is_empty() {
+            out.push_str(": ");
+        }
+        out.push_str(&text);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::error_chain;
+
+    /// Shaped like the libraries' I/O errors: the cause in the text and as source.
+    #[derive(Debug)]
+    struct Open {
+        path: String,
+        source: std::io::Error,
+    }
+
+    impl std::fmt::Display for Open {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "open {}: {}", self.path, self.source)
+        }
+    }
+
+    impl std::error::Error for Open {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(&self.source)
+        }
+    }
+
+    #[test]
+    fn causes_already_in_the_message_are_not_repeated() {
+        let io = std::io::Error::from_raw_os_error(2);
+        let text = io.to_string();
+        let e = anyhow::Error::new(Open {
+            path: "/x".into(),
+            source: io,
+        })
+        .context("cannot serve /x");
+        assert_eq!(error_chain(&e), format!("cannot serve /x: open /x: {text}"));
+        // Causes that add something are kept.
+        let e = anyhow::anyhow!("inner").context("outer");
+        assert_eq!(error_chain(&e), "outer: inner");
     }
 }

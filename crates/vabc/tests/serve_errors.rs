@@ -103,6 +103,9 @@ fn unreadable_or_missing_inputs_are_named() {
         s.t.join("fuse").as_os_str(),
     ]);
     assert!(err.contains("missing.img"), "{err}");
+    // The OS's reason once, not once per layer of the error.
+    let enoent = std::io::Error::from_raw_os_error(2).to_string();
+    assert_eq!(err.matches(&enoent).count(), 1, "{err}");
     let not_cow = &s.new;
     let err = serve_fails(&[
         os("--base"),

@@ -322,3 +322,76 @@ fn auto_transport_follows_the_kernel_switch() {
     );
     assert_nothing_left(tmp.path());
 }
+
+/// Sets `/proc/sys/kernel/io_uring_disabled` and puts the old value back when dropped.
+struct IoUringDisabled(String);
+
+impl IoUringDisabled {
+    const PATH: &str = "/proc/sys/kernel/io_uring_disabled";
+
+    fn set(v: &str) -> IoUringDisabled {
+        let old = std::fs::read_to_string(Self::PATH).unwrap();
+        std::fs::write(Self::PATH, v).unwrap();
+        IoUringDisabled(old.trim().to_string())
+    }
+}
+
+impl Drop for IoUringDisabled {
+    fn drop(&mut self) {
+        let _ = std::fs::write(Self::PATH, &self.0);
+    }
+}
+
+/// With io_uring disabled for the process (as a sysctl or a container's seccomp filter
+/// does) but the FUSE switch on, auto serves through /dev/fuse and says why; asking for
+/// the rings fails with that reason. Other daemons of this binary started earlier keep
+/// their rings; new engine threads fall back to pread meanwhile.
+#[test]
+fn auto_transport_without_io_uring_falls_back() {
+    let v = vectors();
+    let base = v.join("base.img");
+    let cow = v.join("v3_lz4_65536.cow");
+    let expected = v.join("expected.img");
+    let size = std::fs::metadata(&expected).unwrap().len().to_string();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("fuse");
+    std::fs::create_dir(&dir).unwrap();
+    let log = tmp.path().join("serve.log");
+    let mut args = vec![
+        os("--base"),
+        base.as_os_str(),
+        os("--cow"),
+        cow.as_os_str(),
+        os("--size"),
+        os(&size),
+        os("--fuse"),
+        dir.as_os_str(),
+        os("--fuse-transport"),
+    ];
+    let (server, refused) = {
+        let _guard = PARAM_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        set_fuse_uring_param(true);
+        let _off = IoUringDisabled::set("2");
+        let refused = Command::new(vabc())
+            .arg("serve")
+            .args(&args)
+            .arg("uring")
+            .output()
+            .unwrap();
+        args.push(os("auto"));
+        (Server::start_logged(&args, &log), refused)
+    };
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success(), "{err}");
+    assert!(err.contains("cannot create an io_uring instance"), "{err}");
+    server.assert_said("through /dev/fuse");
+    assert_same_file(&dir.join("disk.img"), &expected);
+    let status = server.stop();
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(status.success(), "{text}");
+    assert!(
+        text.contains("cannot create an io_uring instance"),
+        "{text}"
+    );
+    assert_nothing_left(tmp.path());
+}

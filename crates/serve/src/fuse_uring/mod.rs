@@ -157,6 +157,18 @@ pub enum UringSupport {
     Absent,
 }
 
+/// Whether this process can create io_uring instances at all (they can be disabled by
+/// `kernel.io_uring_disabled` or a seccomp filter); the error says why not.
+pub fn rings_usable() -> Result<()> {
+    ring::probe().map_err(|e| ServeError::Invalid {
+        path: "/proc/sys/kernel/io_uring_disabled".into(),
+        msg: format!(
+            "cannot create an io_uring instance ({e}): io_uring is disabled for this \
+             process, by that setting or by a seccomp filter"
+        ),
+    })
+}
+
 /// What [`ENABLE_PARAM`] says right now; an error only when it exists and cannot be read.
 pub fn support() -> Result<UringSupport> {
     match std::fs::read_to_string(ENABLE_PARAM) {

@@ -136,13 +136,20 @@ fn use_fuse_uring(args: &Args) -> anyhow::Result<bool> {
                 bail!("--fuse-uring needs --fuse DIR or --mount TARGET");
             }
             serve::fuse_uring::check_enabled()?;
+            serve::fuse_uring::rings_usable()?;
             Ok(true)
         }
         FuseTransport::Auto if !wants_fuse => Ok(false),
         FuseTransport::Auto => {
             use serve::fuse_uring::UringSupport;
             match serve::fuse_uring::support() {
-                Ok(UringSupport::Enabled) => Ok(true),
+                Ok(UringSupport::Enabled) => match serve::fuse_uring::rings_usable() {
+                    Ok(()) => Ok(true),
+                    Err(e) => {
+                        eprintln!("vabc serve: {e}; the export answers through /dev/fuse");
+                        Ok(false)
+                    }
+                },
                 // Off is the kernel's default: say once what it costs and how to change it.
                 Ok(UringSupport::Disabled) => {
                     eprintln!(
