@@ -487,11 +487,8 @@ impl MergeJob {
             base.to_path_buf(),
             merge::MergeOptions::default(),
         )?;
-        let io = merge::UringIo::new(b, c, 64)
-            .context("cannot set up io_uring")?
-            .with_direct()
-            .context("cannot open the base or COW with O_DIRECT for the merge")?;
-        Ok((m, Box::new(io)))
+        let (io, _) = super::merge::merge_io(super::merge::EngineKind::Auto, b, c, 64, false)?;
+        Ok((m, io))
     }
 
     fn start(mut self) -> MergeJob {
