@@ -251,31 +251,15 @@ fn switched_off_kernel_gives_a_clear_error() {
 /// give the expected image. Asking for both transports at once is refused.
 #[test]
 fn auto_transport_follows_the_kernel_switch() {
-    let v = vectors();
-    let base = v.join("base.img");
-    let cow = v.join("v3_lz4_65536.cow");
-    let expected = v.join("expected.img");
-    let size = std::fs::metadata(&expected).unwrap().len().to_string();
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("fuse");
-    std::fs::create_dir(&dir).unwrap();
+    let x = VectorExport::new("v3_lz4_65536.cow");
+    let (tmp, dir, expected) = (&x.tmp, &x.dir, &x.expected);
     for on in [true, false] {
         let log = tmp.path().join(format!("serve-{on}.log"));
         let server = {
             let _guard = PARAM_LOCK.lock().unwrap_or_else(|e| e.into_inner());
             set_fuse_uring_param(on);
-            let args = [
-                os("--base"),
-                base.as_os_str(),
-                os("--cow"),
-                cow.as_os_str(),
-                os("--size"),
-                os(&size),
-                os("--fuse"),
-                dir.as_os_str(),
-                os("--fuse-transport"),
-                os("auto"),
-            ];
+            let mut args = x.args();
+            args.extend([os("--fuse-transport"), os("auto")]);
             let server = Server::start_logged(&args, &log);
             set_fuse_uring_param(true);
             server
@@ -286,7 +270,7 @@ fn auto_transport_follows_the_kernel_switch() {
             "through /dev/fuse"
         };
         server.assert_said(via);
-        assert_same_file(&dir.join("disk.img"), &expected);
+        assert_same_file(&dir.join("disk.img"), expected);
         if on {
             let (ring, _dev) = stop_and_count(server, &log);
             assert!(ring >= 3, "only {ring} requests via the rings");
@@ -302,18 +286,12 @@ fn auto_transport_follows_the_kernel_switch() {
         }
         assert_nothing_left(tmp.path());
     }
-    let out = run_vabc(&[
-        "serve",
-        "--base",
-        &base.to_string_lossy(),
-        "--cow",
-        &cow.to_string_lossy(),
-        "--fuse",
-        &dir.to_string_lossy(),
-        "--fuse-uring",
-        "--fuse-transport",
-        "classic",
-    ]);
+    let out = Command::new(vabc())
+        .arg("serve")
+        .args(x.args())
+        .args(["--fuse-uring", "--fuse-transport", "classic"])
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("cannot be used with"),

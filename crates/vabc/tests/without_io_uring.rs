@@ -42,26 +42,10 @@ impl Drop for IoUringDisabled {
 
 #[test]
 fn serve_answers_through_dev_fuse() {
-    let v = vectors();
-    let base = v.join("base.img");
-    let cow = v.join("v3_lz4_65536.cow");
-    let expected = v.join("expected.img");
-    let size = std::fs::metadata(&expected).unwrap().len().to_string();
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("fuse");
-    std::fs::create_dir(&dir).unwrap();
-    let log = tmp.path().join("serve.log");
-    let mut args = vec![
-        os("--base"),
-        base.as_os_str(),
-        os("--cow"),
-        cow.as_os_str(),
-        os("--size"),
-        os(&size),
-        os("--fuse"),
-        dir.as_os_str(),
-        os("--fuse-transport"),
-    ];
+    let x = VectorExport::new("v3_lz4_65536.cow");
+    let log = x.tmp.path().join("serve.log");
+    let mut args = x.args();
+    args.push(os("--fuse-transport"));
     set_fuse_uring_param(true);
     let _off = IoUringDisabled::new();
     let refused = Command::new(vabc())
@@ -73,12 +57,12 @@ fn serve_answers_through_dev_fuse() {
     let err = String::from_utf8_lossy(&refused.stderr);
     assert!(!refused.status.success(), "{err}");
     assert!(err.contains("cannot create an io_uring instance"), "{err}");
-    assert_nothing_left(tmp.path());
+    assert_nothing_left(x.tmp.path());
     args.push(os("auto"));
     let server = Server::start_logged(&args, &log);
     server.assert_said("through /dev/fuse");
     assert!(
-        std::fs::read(dir.join("disk.img")).unwrap() == std::fs::read(&expected).unwrap(),
+        std::fs::read(x.dir.join("disk.img")).unwrap() == std::fs::read(&x.expected).unwrap(),
         "served image differs from expected.img"
     );
     let status = server.stop();
@@ -88,7 +72,7 @@ fn serve_answers_through_dev_fuse() {
         text.contains("cannot create an io_uring instance"),
         "{text}"
     );
-    assert_nothing_left(tmp.path());
+    assert_nothing_left(x.tmp.path());
 }
 
 #[test]

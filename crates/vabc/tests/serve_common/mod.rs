@@ -314,6 +314,50 @@ pub fn sigterm(pid: u32) {
         .status();
 }
 
+/// One AOSP vector to export through FUSE: its base, the COW `cow_name`, the expected
+/// image and its size, and an empty mount directory `dir` in `tmp`.
+pub struct VectorExport {
+    pub tmp: tempfile::TempDir,
+    pub base: PathBuf,
+    pub cow: PathBuf,
+    pub expected: PathBuf,
+    pub size: String,
+    pub dir: PathBuf,
+}
+
+impl VectorExport {
+    pub fn new(cow_name: &str) -> VectorExport {
+        let v = vectors();
+        let expected = v.join("expected.img");
+        let size = std::fs::metadata(&expected).unwrap().len().to_string();
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("fuse");
+        std::fs::create_dir(&dir).unwrap();
+        VectorExport {
+            tmp,
+            base: v.join("base.img"),
+            cow: v.join(cow_name),
+            expected,
+            size,
+            dir,
+        }
+    }
+
+    /// `--base B --cow C --size S --fuse DIR`.
+    pub fn args(&self) -> Vec<&std::ffi::OsStr> {
+        vec![
+            os("--base"),
+            self.base.as_os_str(),
+            os("--cow"),
+            self.cow.as_os_str(),
+            os("--size"),
+            os(&self.size),
+            os("--fuse"),
+            self.dir.as_os_str(),
+        ]
+    }
+}
+
 /// Switches the kernel's FUSE-over-io_uring parameter on or off (root, Linux 6.14+ with
 /// CONFIG_FUSE_IO_URING). It only lets FUSE servers that ask for rings use them, so
 /// other daemons are unaffected.
