@@ -240,7 +240,7 @@ fn switched_off_kernel_gives_a_clear_error() {
     ]);
     assert!(!out.status.success());
     assert!(
-        String::from_utf8_lossy(&out.stderr).contains("--fuse-uring needs --fuse DIR or --mount"),
+        String::from_utf8_lossy(&out.stderr).contains("--fuse-uring) needs --fuse DIR or --mount"),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );

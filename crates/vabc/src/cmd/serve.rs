@@ -133,7 +133,9 @@ fn use_fuse_uring(args: &Args) -> anyhow::Result<bool> {
         FuseTransport::Classic => Ok(false),
         FuseTransport::Uring => {
             if !wants_fuse {
-                bail!("--fuse-uring needs --fuse DIR or --mount TARGET");
+                bail!(
+                    "FUSE over io_uring (--fuse-transport uring, --fuse-uring) needs --fuse DIR or --mount TARGET"
+                );
             }
             serve::fuse_uring::check_enabled()?;
             serve::fuse_uring::rings_usable()?;
