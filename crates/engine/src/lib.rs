@@ -36,6 +36,7 @@ pub use cow_engine::{
 pub use error::{EngineError, Result};
 pub use io::{AlignedBuf, DIRECT_ALIGN, ImageFile};
 pub use readahead::{Readahead, ReadaheadOptions};
+pub use uring::usable as io_uring_usable;
 
 /// Block size of the COW format and the engine's preferred I/O granularity.
 pub const BLOCK_SIZE: usize = 4096;

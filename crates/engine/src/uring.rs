@@ -60,6 +60,14 @@ pub(crate) fn disable_for_this_thread() {
     RING.with(|cell| *cell.borrow_mut() = Ring::Unavailable);
 }
 
+/// Whether this process may create io_uring instances at all: io_uring can be switched
+/// off (`kernel.io_uring_disabled`) or filtered out by seccomp, as in many containers.
+/// The engine itself then reads with `pread`; frontends and the merge ask here to pick
+/// their own fallback.
+pub fn usable() -> io::Result<()> {
+    IoUring::new(2).map(drop)
+}
+
 /// Whether this thread can use [`read_batch`] (creates its ring on first use).
 pub(crate) fn available() -> bool {
     RING.with(|cell| {

@@ -93,12 +93,6 @@ struct Sqe {
     write: bool,
 }
 
-/// Whether this process can create an io_uring instance: io_uring can be disabled
-/// (`kernel.io_uring_disabled`) or filtered out by seccomp, as in many containers.
-pub fn available() -> io::Result<()> {
-    IoUring::new(2).map(drop)
-}
-
 impl UringIo {
     /// `depth`: submission queue entries (AOSP uses 8; 64 keeps a 2 MiB
     /// window in one submission).

@@ -160,7 +160,7 @@ pub enum UringSupport {
 /// Whether this process can create io_uring instances at all (they can be disabled by
 /// `kernel.io_uring_disabled` or a seccomp filter); the error says why not.
 pub fn rings_usable() -> Result<()> {
-    ring::probe().map_err(|e| ServeError::Invalid {
+    engine::io_uring_usable().map_err(|e| ServeError::Invalid {
         path: "/proc/sys/kernel/io_uring_disabled".into(),
         msg: format!(
             "cannot create an io_uring instance ({e}): io_uring is disabled for this \

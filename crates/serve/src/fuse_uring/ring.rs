@@ -78,12 +78,6 @@ pub(crate) fn set_sqe_len(sqe: &mut squeue::Entry128, len: u32) {
     };
 }
 
-/// Whether this process may create the rings the transport uses: io_uring can be
-/// switched off (`kernel.io_uring_disabled`) or filtered out (seccomp, in containers).
-pub(crate) fn probe() -> io::Result<()> {
-    build_ring(2).map(drop)
-}
-
 fn build_ring(entries: u32) -> io::Result<Ring> {
     // One thread owns the ring: the kernel may then run the request hand-over (task
     // work) only when we wait for completions, instead of interrupting us.

@@ -79,7 +79,7 @@ pub(crate) fn merge_io(
     let uring = match kind {
         EngineKind::Uring => true,
         EngineKind::Sync => false,
-        EngineKind::Auto => match merge::uring::available() {
+        EngineKind::Auto => match engine::io_uring_usable() {
             Ok(()) => true,
             Err(e) => {
                 eprintln!(
