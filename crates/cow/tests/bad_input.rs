@@ -2,13 +2,12 @@
 //! name the file and the offset, never a panic. Also replays the fuzz corpus
 //! (fuzz/corpus/cow_reader) through the fuzz target's body.
 
-use std::path::{Path, PathBuf};
+#[path = "../../../fuzz/replay.rs"]
+mod replay;
+
+use std::path::Path;
 
 use cow::{Codec, Compression, CowReader, CowWriter, WriterOptions};
-
-fn corpus_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus/cow_reader")
-}
 
 /// Small COWs (no scratch area) covering every layout and codec: the seed
 /// corpus of the fuzz target.
@@ -78,20 +77,16 @@ fn seeds() -> Vec<(String, Vec<u8>)> {
 #[test]
 #[ignore]
 fn generate_seed_corpus() {
-    std::fs::create_dir_all(corpus_dir()).unwrap();
-    for (name, data) in seeds() {
-        std::fs::write(corpus_dir().join(format!("seed_{name}")), data).unwrap();
-    }
+    replay::write_seeds("cow_reader", seeds());
 }
 
 #[test]
 fn replay_fuzz_corpus() {
-    let mut n = 0;
-    for e in std::fs::read_dir(corpus_dir()).expect("fuzz corpus directory") {
-        let data = std::fs::read(e.unwrap().path()).unwrap();
-        cow::fuzzing::exercise_reader(&data);
-        n += 1;
+    let inputs = replay::inputs("cow_reader");
+    for data in &inputs {
+        cow::fuzzing::exercise_reader(data);
     }
+    let n = inputs.len();
     assert!(n >= 10, "fuzz corpus has only {n} inputs");
 }
 

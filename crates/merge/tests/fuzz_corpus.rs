@@ -4,18 +4,12 @@
 //! a small scratch area, fresh and stopped at points all over a merge.
 
 mod common;
-
-use std::path::PathBuf;
+#[path = "../../../fuzz/replay.rs"]
+mod replay;
 
 use common::*;
 use cow::{Codec, CowReader};
 use merge::{Merge, MergeOptions};
-
-fn corpus_dir(target: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../fuzz/corpus")
-        .join(target)
-}
 
 /// (name, COW bytes): two updates (v3 lz4, v2 gz) with a 64 KiB scratch
 /// area (14-op windows), fresh and as left by a merge stopped at several
@@ -52,11 +46,7 @@ fn seeds() -> Vec<(String, Vec<u8>)> {
 #[test]
 #[ignore]
 fn generate_seed_corpus() {
-    let dir = corpus_dir("merge_resume");
-    std::fs::create_dir_all(&dir).unwrap();
-    for (name, data) in seeds() {
-        std::fs::write(dir.join(format!("seed_{name}")), data).unwrap();
-    }
+    replay::write_seeds("merge_resume", seeds());
 }
 
 #[test]
@@ -79,8 +69,7 @@ fn replay_fuzz_corpus() {
     let mut n = 0;
     let mut checked = 0;
     for target in ["merge_resume", "cow_reader"] {
-        for e in std::fs::read_dir(corpus_dir(target)).expect("fuzz corpus directory") {
-            let data = std::fs::read(e.unwrap().path()).unwrap();
+        for data in replay::inputs(target) {
             if merge::fuzzing::exercise_merge(&data) == merge::fuzzing::Checked::Snapshot {
                 checked += 1;
             }

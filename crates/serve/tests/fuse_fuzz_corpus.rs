@@ -4,13 +4,10 @@
 //! directory listing, reads at and past the end, refused writes, forgets, unknown
 //! opcodes, truncated arguments).
 
-use std::path::PathBuf;
+#[path = "../../../fuzz/replay.rs"]
+mod replay;
 
 use serve::fuzzing::{FUSE_DEVICE_SIZE, FUSE_OUT_SIZE, exercise_fuse};
-
-fn corpus_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus/fuse_request")
-}
 
 const ROOT: u64 = 1;
 const FILE: u64 = 2;
@@ -98,10 +95,7 @@ fn seeds() -> Vec<(&'static str, Vec<u8>)> {
 #[test]
 #[ignore]
 fn generate_seed_corpus() {
-    std::fs::create_dir_all(corpus_dir()).unwrap();
-    for (name, data) in seeds() {
-        std::fs::write(corpus_dir().join(format!("seed_{name}")), data).unwrap();
-    }
+    replay::write_seeds("fuse_request", seeds());
 }
 
 #[test]
@@ -160,11 +154,10 @@ fn cut_and_malformed_streams_end_cleanly() {
 
 #[test]
 fn replay_fuzz_corpus() {
-    let mut n = 0;
-    for e in std::fs::read_dir(corpus_dir()).expect("fuzz corpus directory") {
-        let data = std::fs::read(e.unwrap().path()).unwrap();
-        exercise_fuse(&data);
-        n += 1;
+    let inputs = replay::inputs("fuse_request");
+    for data in &inputs {
+        exercise_fuse(data);
     }
+    let n = inputs.len();
     assert!(n >= 3, "fuzz corpus has only {n} inputs");
 }

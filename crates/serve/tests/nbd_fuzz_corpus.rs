@@ -3,11 +3,8 @@
 //! byte streams real clients send (option haggling, reads, flushes, refused
 //! writes, disconnects).
 
-use std::path::PathBuf;
-
-fn corpus_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus/nbd_server")
-}
+#[path = "../../../fuzz/replay.rs"]
+mod replay;
 
 const IHAVEOPT: u64 = 0x4948_4156_454F_5054;
 const REQUEST_MAGIC: u32 = 0x2560_9513;
@@ -84,10 +81,7 @@ fn seeds() -> Vec<(&'static str, Vec<u8>)> {
 #[test]
 #[ignore]
 fn generate_seed_corpus() {
-    std::fs::create_dir_all(corpus_dir()).unwrap();
-    for (name, data) in seeds() {
-        std::fs::write(corpus_dir().join(format!("seed_{name}")), data).unwrap();
-    }
+    replay::write_seeds("nbd_server", seeds());
 }
 
 /// The simple reply (error, data that follows) for `cookie` in a server's byte stream.
@@ -137,11 +131,10 @@ fn every_request_of_a_session_is_answered() {
 
 #[test]
 fn replay_fuzz_corpus() {
-    let mut n = 0;
-    for e in std::fs::read_dir(corpus_dir()).expect("fuzz corpus directory") {
-        let data = std::fs::read(e.unwrap().path()).unwrap();
-        serve::fuzzing::exercise_nbd(&data);
-        n += 1;
+    let inputs = replay::inputs("nbd_server");
+    for data in &inputs {
+        serve::fuzzing::exercise_nbd(data);
     }
+    let n = inputs.len();
     assert!(n >= 4, "fuzz corpus has only {n} inputs");
 }

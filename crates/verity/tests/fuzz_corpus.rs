@@ -1,14 +1,11 @@
 //! Replays the fuzz corpus of the image target (fuzz/corpus/avb_image) through
 //! the target's body in the normal test run, and regenerates its seeds.
 
-use std::path::PathBuf;
+#[path = "../../../fuzz/replay.rs"]
+mod replay;
 
 use verity::avb::{self, HashtreeFooterOptions};
 use verity::{Format, HashAlgorithm, Input, Params, Superblock, build_tree_in_memory};
-
-fn corpus_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus/avb_image")
-}
 
 fn pattern(len: usize) -> Vec<u8> {
     (0..len).map(|i| (i * 7 % 253) as u8).collect()
@@ -72,10 +69,7 @@ fn seeds() -> Vec<(String, Vec<u8>)> {
 #[test]
 #[ignore]
 fn generate_seed_corpus() {
-    std::fs::create_dir_all(corpus_dir()).unwrap();
-    for (name, data) in seeds() {
-        std::fs::write(corpus_dir().join(format!("seed_{name}")), data).unwrap();
-    }
+    replay::write_seeds("avb_image", seeds());
 }
 
 #[test]
@@ -127,11 +121,10 @@ fn absurd_vbmeta_sizes_are_errors() {
 
 #[test]
 fn replay_fuzz_corpus() {
-    let mut n = 0;
-    for e in std::fs::read_dir(corpus_dir()).expect("fuzz corpus directory") {
-        let data = std::fs::read(e.unwrap().path()).unwrap();
-        verity::fuzzing::exercise_image(&data);
-        n += 1;
+    let inputs = replay::inputs("avb_image");
+    for data in &inputs {
+        verity::fuzzing::exercise_image(data);
     }
+    let n = inputs.len();
     assert!(n >= 5, "fuzz corpus has only {n} inputs");
 }
