@@ -691,7 +691,13 @@ impl CowEngine {
         })
     }
 
-    fn verify(&self, verifier: &dyn BlockVerifier, buf: &[u8], offset: u64) -> Result<()> {
+    fn verify(
+        &self,
+        verifier: &dyn BlockVerifier,
+        buf: &[u8],
+        offset: u64,
+        split: bool,
+    ) -> Result<()> {
         let end = offset + buf.len() as u64;
         // Blocks inside the request (the device's short last block included) are checked
         // where they are, as runs so the verifier can hash them in pairs, split across the
@@ -720,7 +726,7 @@ impl CowEngine {
                     .map_err(|(block, msg)| EngineError::Verify { block, msg })
             };
             match &self.pool {
-                Some(pool) if whole.len() >= 16 * BLOCK_SIZE => {
+                Some(pool) if split && whole.len() >= 16 * BLOCK_SIZE => {
                     // One even-sized run per thread, so pairs stay whole: on 2 CPUs a
                     // 1 MiB request is two 512 KiB runs, each one leaf block of a
                     // SHA-256 tree when aligned. This thread checks the first run
@@ -905,11 +911,34 @@ impl BlockDevice for CowEngine {
         let r = self
             .read_unverified(buf, offset)
             .and_then(|()| match &self.verifier {
-                Some(v) => self.verify(v.as_ref(), buf, offset),
+                Some(v) => self.verify(v.as_ref(), buf, offset, true),
                 None => Ok(()),
             });
         self.active.fetch_sub(1, Ordering::Relaxed);
         r
+    }
+
+    fn separate_check(&self) -> bool {
+        self.verifier.is_some()
+    }
+
+    fn read_unchecked(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        check_range(offset, buf.len(), self.size)?;
+        if buf.is_empty() {
+            return Ok(());
+        }
+        self.active.fetch_add(1, Ordering::Relaxed);
+        let r = self.read_unverified(buf, offset);
+        self.active.fetch_sub(1, Ordering::Relaxed);
+        r
+    }
+
+    fn check(&self, data: &[u8], offset: u64) -> Result<()> {
+        check_range(offset, data.len(), self.size)?;
+        match &self.verifier {
+            Some(v) if !data.is_empty() => self.verify(v.as_ref(), data, offset, false),
+            _ => Ok(()),
+        }
     }
 }
 

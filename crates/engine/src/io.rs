@@ -180,8 +180,8 @@ const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
 
 /// A buffer whose usable part starts at a `DIRECT_ALIGN` boundary, so frontends can hand
 /// it to the engine and have base reads go straight to `O_DIRECT`. Buffers of at least
-/// [`HUGE_PAGE`] bytes are backed by transparent huge pages where the kernel allows it
-/// (see [`HUGE_PAGE`]); smaller ones live on the heap.
+/// a huge page (2 MiB) are backed by transparent huge pages where the kernel allows it;
+/// smaller ones live on the heap.
 #[derive(Debug, Default)]
 pub struct AlignedBuf {
     mem: Mem,

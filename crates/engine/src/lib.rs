@@ -78,6 +78,24 @@ pub trait BlockDevice: Send + Sync {
     fn planner(&self) -> Option<&dyn ReadPlanner> {
         None
     }
+
+    /// Whether reads are checked (a dm-verity verifier) in a step that can run apart
+    /// from the read: [`Self::read_unchecked`], then [`Self::check`]. A reader ahead of
+    /// the requests ([`Readahead`]) then keeps the disk busy while other threads hash.
+    fn separate_check(&self) -> bool {
+        false
+    }
+
+    /// Reads as [`Self::read_at`] does but without the check; the bytes must pass
+    /// [`Self::check`] before they are used.
+    fn read_unchecked(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        self.read_at(buf, offset)
+    }
+
+    /// Checks bytes that [`Self::read_unchecked`] returned for `offset`, on this thread.
+    fn check(&self, _data: &[u8], _offset: u64) -> Result<()> {
+        Ok(())
+    }
 }
 
 impl<T: BlockDevice + ?Sized> BlockDevice for Arc<T> {
@@ -101,6 +119,15 @@ impl<T: BlockDevice + ?Sized> BlockDevice for Arc<T> {
     }
     fn planner(&self) -> Option<&dyn ReadPlanner> {
         (**self).planner()
+    }
+    fn separate_check(&self) -> bool {
+        (**self).separate_check()
+    }
+    fn read_unchecked(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        (**self).read_unchecked(buf, offset)
+    }
+    fn check(&self, data: &[u8], offset: u64) -> Result<()> {
+        (**self).check(data, offset)
     }
 }
 

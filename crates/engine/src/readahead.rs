@@ -14,6 +14,12 @@
 //! dropped), data comes from the inner device's own `read_at` (verified, merge-aware),
 //! and the device is read-only, so a chunk can never be stale. A chunk whose read failed
 //! is not used: the request reads the device itself and reports that error.
+//!
+//! A verified device is read and checked in two stages (see
+//! [`BlockDevice::separate_check`]): the reader threads only read, and checker threads
+//! (one per CPU) hash what they read. When each reader hashed its own chunk, reads and
+//! hashing alternated on it, and a cold verified stream left a third of the CPU time
+//! idle waiting for the disk; a chunk is served only once checked.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -42,6 +48,9 @@ pub struct ReadaheadOptions {
     pub chunk: usize,
     /// Background reader threads (chunks in flight at once).
     pub threads: usize,
+    /// Threads that check read-ahead chunks of a device with a separate check (see
+    /// [`BlockDevice::separate_check`]); 0 means one per CPU.
+    pub check_threads: usize,
 }
 
 impl Default for ReadaheadOptions {
@@ -57,6 +66,7 @@ impl Default for ReadaheadOptions {
             // `HUGE_PAGE`): a 1 MiB chunk would be rounded up to one.
             chunk: HUGE_PAGE,
             threads: 4,
+            check_threads: 0,
         }
     }
 }
@@ -102,6 +112,8 @@ struct State {
     /// Chunks by offset (few: depth / chunk ahead plus as many behind).
     slots: Vec<(u64, Slot)>,
     queue: VecDeque<u64>,
+    /// Chunks read but not yet checked (separate-check devices only).
+    unchecked: VecDeque<(u64, Chunk)>,
     shutdown: bool,
 }
 
@@ -117,6 +129,8 @@ struct Shared<D> {
     work: Condvar,
     /// Signalled when a chunk leaves `Pending`.
     done: Condvar,
+    /// Signalled when a chunk awaits its check or on shutdown.
+    check_work: Condvar,
 }
 
 /// A [`BlockDevice`] that reads ahead of sequential streams; see the module comment.
@@ -149,19 +163,30 @@ impl<D: BlockDevice + 'static> Readahead<D> {
                 streak: 0,
                 slots: Vec::new(),
                 queue: VecDeque::new(),
+                unchecked: VecDeque::new(),
                 shutdown: false,
             }),
             free: FreeList::default(),
             in_flight: AtomicUsize::new(0),
             work: Condvar::new(),
             done: Condvar::new(),
+            check_work: Condvar::new(),
         });
+        let checkers = match shared.inner.separate_check() {
+            false => 0,
+            true if shared.opts.check_threads > 0 => shared.opts.check_threads,
+            true => std::thread::available_parallelism().map_or(2, |n| n.get()),
+        };
         let mut threads = Vec::new();
-        for i in 0..shared.opts.threads {
+        for i in 0..shared.opts.threads + checkers {
             let s = shared.clone();
+            let reader = i < s.opts.threads;
             let spawned = std::thread::Builder::new()
-                .name(format!("vabc-readahead-{i}"))
-                .spawn(move || s.run());
+                .name(match reader {
+                    true => format!("vabc-readahead-{i}"),
+                    false => format!("vabc-check-{}", i - s.opts.threads),
+                })
+                .spawn(move || if reader { s.run() } else { s.run_checks() });
             match spawned {
                 Ok(h) => threads.push(h),
                 Err(e) => {
@@ -245,6 +270,7 @@ impl<D: BlockDevice + 'static> Drop for Readahead<D> {
     fn drop(&mut self) {
         self.shared.lock().shutdown = true;
         self.shared.work.notify_all();
+        self.shared.check_work.notify_all();
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
@@ -274,22 +300,56 @@ impl<D: BlockDevice> Shared<D> {
                 .unwrap_or_default();
             drop(st);
             let len = (self.opts.chunk as u64).min(self.inner.size() - off) as usize;
-            let ok = self.inner.read_at(buf.slice_mut(len), off).is_ok();
+            let separate = self.inner.separate_check();
+            let ok = match separate {
+                true => self.inner.read_unchecked(buf.slice_mut(len), off),
+                false => self.inner.read_at(buf.slice_mut(len), off),
+            }
+            .is_ok();
             // Unused (failed, or dropped meanwhile), the buffer returns to the free list.
             let chunk = Chunk {
                 buf,
                 free: self.free.clone(),
             };
             st = self.lock();
-            if let Some((_, slot)) = st.slots.iter_mut().find(|(o, _)| *o == off) {
-                *slot = if ok {
-                    Slot::Ready(Arc::new(chunk))
-                } else {
-                    Slot::Failed
-                };
+            if ok && separate {
+                // Hashing on other threads while this one reads on: the disk keeps
+                // working while the CPUs hash, instead of each thread alternating.
+                st.unchecked.push_back((off, chunk));
+                self.check_work.notify_one();
+            } else {
+                self.settle(&mut st, off, ok.then_some(chunk));
             }
-            self.done.notify_all();
         }
+    }
+
+    /// Checker thread: checks read chunks and makes them ready (or failed).
+    fn run_checks(&self) {
+        let mut st = self.lock();
+        loop {
+            if st.shutdown {
+                return;
+            }
+            let Some((off, chunk)) = st.unchecked.pop_front() else {
+                st = self.check_work.wait(st).unwrap_or_else(|p| p.into_inner());
+                continue;
+            };
+            drop(st);
+            let ok = self.inner.check(chunk.as_slice(), off).is_ok();
+            st = self.lock();
+            self.settle(&mut st, off, ok.then_some(chunk));
+        }
+    }
+
+    /// Ends the read of the chunk at `off`: ready with its bytes, or failed.
+    fn settle(&self, st: &mut State, off: u64, chunk: Option<Chunk>) {
+        if let Some((_, slot)) = st.slots.iter_mut().find(|(o, _)| *o == off) {
+            *slot = match chunk {
+                Some(c) => Slot::Ready(Arc::new(c)),
+                None => Slot::Failed,
+            };
+        }
+        self.done.notify_all();
     }
 
     /// Updates the stream state for a request `[off, end)` and queues chunks ahead.
@@ -442,6 +502,7 @@ mod tests {
                 depth: 1 << 20,
                 chunk: 128 << 10,
                 threads: 2,
+                check_threads: 0,
             },
         )
         .unwrap()

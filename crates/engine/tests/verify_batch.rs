@@ -172,3 +172,80 @@ fn a_failed_run_names_the_first_bad_block() {
     );
     e.read_at(&mut buf[..4096], 78 * 4096).unwrap();
 }
+
+#[test]
+fn a_separate_check_sees_the_same_blocks_on_the_calling_thread() {
+    let size = 4 << 20;
+    let v = Recording::new(size, &[700]);
+    let e = engine(size as u64, v.clone());
+    assert!(e.separate_check());
+    // The unchecked read returns the image's bytes without calling the verifier.
+    let mut buf = vec![0u8; 2 << 20];
+    e.read_unchecked(&mut buf, 0).unwrap();
+    assert!(buf[..] == v.want[..2 << 20]);
+    assert_eq!(v.take(), []);
+    // The check: one run on this thread (no pool split), the short last block included.
+    e.check(&buf, 0).unwrap();
+    assert_eq!(v.take(), [(0, 2 << 20, true)]);
+    e.read_unchecked(&mut buf, 2 << 20).unwrap();
+    let err = e.check(&buf, 2 << 20).unwrap_err();
+    assert!(
+        matches!(err, EngineError::Verify { block: 700, .. }),
+        "{err}"
+    );
+    assert!(e.check(&buf, (size - 4096) as u64).is_err(), "out of range");
+    // Without a verifier there is nothing to separate.
+    let plain = CowEngine::open(
+        &vectors().join("base.img"),
+        &vectors().join("v3_lz4_65536.cow"),
+        &CowEngineOptions::default(),
+    )
+    .unwrap();
+    assert!(!plain.separate_check());
+}
+
+#[test]
+fn read_ahead_chunks_are_checked_before_they_are_served() {
+    use engine::{Readahead, ReadaheadOptions};
+    let size = 4 << 20;
+    let v = Recording::new(size, &[700]);
+    let ra = Readahead::new(
+        engine(size as u64, v.clone()),
+        ReadaheadOptions {
+            depth: 1 << 20,
+            chunk: 128 << 10,
+            threads: 2,
+            check_threads: 2,
+        },
+    )
+    .unwrap();
+    // A sequential stream of 64 KiB requests: every block is checked (some by the
+    // checker threads, some by requests that outran them), the bad one fails its
+    // request only.
+    let mut buf = vec![0u8; 64 << 10];
+    let mut failed = Vec::new();
+    for off in (0..size as u64).step_by(buf.len()) {
+        match ra.read_at(&mut buf, off) {
+            Ok(()) => assert!(buf[..] == v.want[off as usize..off as usize + buf.len()]),
+            Err(e) => {
+                assert!(matches!(e, EngineError::Verify { block: 700, .. }), "{e}");
+                failed.push(off);
+            }
+        }
+    }
+    assert_eq!(failed, [700 * 4096 / (64 << 10) * (64 << 10)]);
+    let calls = v.take();
+    let chunk_checks = calls.iter().filter(|c| c.1 == 128 << 10).count();
+    assert!(chunk_checks > 10, "{chunk_checks} chunks checked whole");
+    let mut checked = vec![0u32; size / 4096];
+    for (first, len, _) in calls {
+        for b in first..first + (len as u64).div_ceil(4096) {
+            checked[b as usize] += 1;
+        }
+    }
+    assert!(checked.iter().all(|&n| n >= 1), "every block checked");
+    assert!(
+        checked.iter().filter(|&&n| n == 1).count() > size / 4096 / 2,
+        "most blocks checked once, from the chunks"
+    );
+}
