@@ -17,7 +17,7 @@
 //!
 //! A verified device is read and checked in two stages (see
 //! [`BlockDevice::separate_check`]): the reader threads only read, and checker threads
-//! (one per CPU) hash what they read. When each reader hashed its own chunk, reads and
+//! (one per CPU, up to 8) hash what they read. When each reader hashed its own chunk, reads and
 //! hashing alternated on it, and a cold verified stream left a third of the CPU time
 //! idle waiting for the disk; a chunk is served only once checked.
 
@@ -49,7 +49,7 @@ pub struct ReadaheadOptions {
     /// Background reader threads (chunks in flight at once).
     pub threads: usize,
     /// Threads that check read-ahead chunks of a device with a separate check (see
-    /// [`BlockDevice::separate_check`]); 0 means one per CPU.
+    /// [`BlockDevice::separate_check`]); 0 means one per CPU, at most 8.
     pub check_threads: usize,
 }
 
@@ -175,7 +175,8 @@ impl<D: BlockDevice + 'static> Readahead<D> {
         let checkers = match shared.inner.separate_check() {
             false => 0,
             true if shared.opts.check_threads > 0 => shared.opts.check_threads,
-            true => std::thread::available_parallelism().map_or(2, |n| n.get()),
+            // More checkers than this could only hash faster than the readers read.
+            true => std::thread::available_parallelism().map_or(2, |n| n.get().min(8)),
         };
         let mut threads = Vec::new();
         for i in 0..shared.opts.threads + checkers {
