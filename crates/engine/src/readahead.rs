@@ -460,14 +460,30 @@ mod tests {
     use std::sync::atomic::{AtomicU64, Ordering};
 
     /// A device whose byte at `i` is a function of `i`, counting the bytes it serves.
+    /// The byte at `fail_at` fails its read (or, with `separate`, its check).
     struct Pattern {
         size: u64,
         served: AtomicU64,
         fail_at: Option<u64>,
+        separate: bool,
     }
 
     fn byte(i: u64) -> u8 {
         (i.wrapping_mul(2_654_435_761) >> 7) as u8
+    }
+
+    impl Pattern {
+        fn bad(&self, offset: u64, len: usize) -> Result<()> {
+            match self.fail_at {
+                Some(f) if (offset..offset + len as u64).contains(&f) => {
+                    Err(crate::EngineError::Verify {
+                        block: f / 4096,
+                        msg: "bad block".into(),
+                    })
+                }
+                _ => Ok(()),
+            }
+        }
     }
 
     impl BlockDevice for Pattern {
@@ -475,29 +491,43 @@ mod tests {
             self.size
         }
         fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
-            check_range(offset, buf.len(), self.size)?;
-            if let Some(f) = self.fail_at
-                && (offset..offset + buf.len() as u64).contains(&f)
-            {
-                return Err(crate::EngineError::Verify {
-                    block: f / 4096,
-                    msg: "bad block".into(),
-                });
+            if !self.separate {
+                check_range(offset, buf.len(), self.size)?;
+                self.bad(offset, buf.len())?;
             }
+            self.read_unchecked(buf, offset)?;
+            self.check(buf, offset)
+        }
+        fn separate_check(&self) -> bool {
+            self.separate
+        }
+        fn read_unchecked(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+            check_range(offset, buf.len(), self.size)?;
             for (i, b) in buf.iter_mut().enumerate() {
                 *b = byte(offset + i as u64);
             }
             self.served.fetch_add(buf.len() as u64, Ordering::Relaxed);
             Ok(())
         }
+        fn check(&self, data: &[u8], offset: u64) -> Result<()> {
+            match self.separate {
+                true => self.bad(offset, data.len()),
+                false => Ok(()),
+            }
+        }
     }
 
     fn dev(size: u64, fail_at: Option<u64>) -> Readahead<Pattern> {
+        dev_checked(size, fail_at, false)
+    }
+
+    fn dev_checked(size: u64, fail_at: Option<u64>, separate: bool) -> Readahead<Pattern> {
         Readahead::new(
             Pattern {
                 size,
                 served: AtomicU64::new(0),
                 fail_at,
+                separate,
             },
             ReadaheadOptions {
                 depth: 1 << 20,
@@ -630,5 +660,40 @@ mod tests {
                 .is_err()
         );
         assert!(!called);
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(48))]
+
+        /// Streams of requests (mostly continuing, sometimes jumping), with or without a
+        /// separate check stage and one bad byte: a read succeeds with the exact bytes
+        /// exactly when it does not cover the bad byte.
+        #[test]
+        fn any_request_sequence_reads_exact_bytes_or_fails_on_the_bad_byte(
+            separate in proptest::bool::ANY,
+            fail_at in proptest::option::of(0u64..(3 << 20)),
+            steps in proptest::collection::vec((0u8..5, 1u64..(300 << 10), 0u64..(3 << 20)), 1..80),
+        ) {
+            let size = (3 << 20) + 777;
+            let d = dev_checked(size, fail_at, separate);
+            let mut pos = 0u64;
+            for (kind, len, at) in steps {
+                // One step in five jumps; the others continue the stream.
+                let off = if kind == 0 || pos >= size { at } else { pos };
+                let len = len.min(size - off) as usize;
+                let mut buf = vec![0u8; len];
+                let covers_bad = fail_at.is_some_and(|f| (off..off + len as u64).contains(&f));
+                match d.read_at(&mut buf, off) {
+                    Ok(()) => {
+                        proptest::prop_assert!(!covers_bad, "{len} bytes at {off} hide the bad byte");
+                        for (i, b) in buf.iter().enumerate() {
+                            proptest::prop_assert_eq!(*b, byte(off + i as u64), "byte {} of {} at {}", i, len, off);
+                        }
+                    }
+                    Err(e) => proptest::prop_assert!(covers_bad, "{len} bytes at {off}: {e}"),
+                }
+                pos = off + len as u64;
+            }
+        }
     }
 }
