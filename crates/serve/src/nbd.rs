@@ -5,7 +5,10 @@
 //!
 //! One thread per connection parses requests and hands reads to a shared [`Workers`]
 //! pool, which writes each reply as soon as it is ready (replies may be out of order;
-//! clients match them by cookie), so one connection keeps many reads in flight.
+//! clients match them by cookie), so one connection keeps many reads in flight. A client
+//! that reads sequentially with few requests in flight is read ahead of, as the FUSE
+//! export is ([`engine::Readahead`], shared by all connections): `nbdcopy` with one
+//! 1 MiB request at a time copied a cold 1 GiB image in 0.59-0.67 s instead of 1.64 s.
 
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -17,7 +20,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use engine::BlockDevice;
+use engine::{BlockDevice, Readahead, ReadaheadOptions};
 
 use crate::workers::Workers;
 use crate::{Result, ServeError, io_err};
@@ -113,6 +116,10 @@ pub struct NbdOptions {
     pub export_name: String,
     /// Request threads shared by all connections.
     pub workers: usize,
+    /// Read ahead of sequential streams, shared by all connections (a client reading
+    /// one request at a time waits for each before it sends the next); `None`
+    /// disables it.
+    pub readahead: Option<ReadaheadOptions>,
 }
 
 impl Default for NbdOptions {
@@ -120,6 +127,7 @@ impl Default for NbdOptions {
         NbdOptions {
             export_name: "vabc".into(),
             workers: 16,
+            readahead: Some(ReadaheadOptions::default()),
         }
     }
 }
@@ -230,6 +238,13 @@ impl Shared {
     /// The state every connection of a server shares, with its read workers
     /// (`what` names the server in errors).
     fn new(dev: Arc<dyn BlockDevice>, opts: &NbdOptions, what: &str) -> Result<Shared> {
+        let readahead = match &opts.readahead {
+            Some(ra) => Some(Arc::new(
+                Readahead::new(dev.clone(), ra.clone())
+                    .map_err(io_err("spawn readahead for", what))?,
+            )),
+            None => None,
+        };
         let workers = {
             let dev = dev.clone();
             Workers::spawn(
@@ -238,15 +253,20 @@ impl Shared {
                 1 << 20,
                 move |buf, job: ReadJob| {
                     let out = buf.slice_mut(job.len as usize);
-                    match dev.read_at(out, job.offset) {
-                        Ok(()) => job.conn.reply(job.cookie, 0, out),
-                        Err(e) => {
-                            eprintln!(
-                                "vabc serve: NBD read of {} bytes at offset {}: {e}",
-                                job.len, job.offset
-                            );
-                            job.conn.reply(job.cookie, e.errno() as u32, &[]);
-                        }
+                    // The reply is written from a read-ahead chunk when one holds it all.
+                    let result = match &readahead {
+                        Some(ra) => ra
+                            .read_with(out, job.offset, |data| job.conn.reply(job.cookie, 0, data)),
+                        None => dev
+                            .read_at(out, job.offset)
+                            .map(|()| job.conn.reply(job.cookie, 0, out)),
+                    };
+                    if let Err(e) = result {
+                        eprintln!(
+                            "vabc serve: NBD read of {} bytes at offset {}: {e}",
+                            job.len, job.offset
+                        );
+                        job.conn.reply(job.cookie, e.errno() as u32, &[]);
                     }
                 },
             )
@@ -683,8 +703,11 @@ pub(crate) fn exercise_connection(input: &[u8]) -> Vec<u8> {
         // SAFETY: setting a signal's disposition to SIG_IGN has no
         // preconditions and installs no handler code.
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
+        // No read-ahead threads: spawning them for every input would cost more than
+        // the input (the read-ahead has its own tests).
         let opts = NbdOptions {
             workers: 2,
+            readahead: None,
             ..NbdOptions::default()
         };
         // Not a multiple of 512, so that reads ending at the device's end are

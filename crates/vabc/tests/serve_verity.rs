@@ -313,6 +313,28 @@ fn check_served_via(
             "nbdcopy copy differs"
         );
     } else {
+        // A sequential stream (read ahead and checked in chunks by both frontends):
+        // the requests that cover a bad block fail, every other one is exact.
+        let req = 256 << 10;
+        let mut chunk = vec![0u8; req];
+        for off in (0..size).step_by(req) {
+            let n = (size - off).min(req as u64) as usize;
+            let blocks = off / BS as u64..(off + n as u64).div_ceil(BS as u64);
+            let covers_bad = bad.iter().any(|b| blocks.contains(b));
+            let want = &f.new_data[off as usize..off as usize + n];
+            let fuse = disk.read_exact_at(&mut chunk[..n], off);
+            let nbd = nbd_read(&mut conn, off, n as u32);
+            if covers_bad {
+                let e = fuse.expect_err("FUSE stream read over a bad block succeeded");
+                assert_eq!(e.raw_os_error(), Some(libc_eio()), "FUSE at {off}: {e}");
+                assert_eq!(nbd.err(), Some(libc_eio() as u32), "NBD at {off}");
+            } else {
+                fuse.unwrap_or_else(|e| panic!("FUSE stream read at {off}: {e}"));
+                assert!(chunk[..n] == *want, "FUSE stream at {off}: wrong bytes");
+                let d = nbd.unwrap_or_else(|e| panic!("NBD stream read at {off}: errno {e}"));
+                assert!(d == want, "NBD stream at {off}: wrong bytes");
+            }
+        }
         // A large read spanning a bad block fails as a whole.
         let b = *bad.iter().next().unwrap();
         let start = b.saturating_sub(3) * BS as u64;

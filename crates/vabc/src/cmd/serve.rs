@@ -251,6 +251,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             let nbd_opts = NbdOptions {
                 export_name: args.export_name.clone(),
                 workers: args.workers,
+                ..NbdOptions::default()
             };
             let server = NbdServer::bind(addr, dev.clone(), &nbd_opts)?;
             let uri = server.addr().to_string();
