@@ -34,7 +34,7 @@ pub use cow_engine::{
     PlannedRead, ReadInto, ReadPlan, ReadPlanner,
 };
 pub use error::{EngineError, Result};
-pub use io::{AlignedBuf, DIRECT_ALIGN, ImageFile};
+pub use io::{AlignedBuf, DIRECT_ALIGN, HUGE_PAGE, ImageFile};
 pub use readahead::{Readahead, ReadaheadOptions};
 pub use uring::usable as io_uring_usable;
 

@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use engine::{BlockDevice, Readahead, ReadaheadOptions};
+use engine::{BlockDevice, HUGE_PAGE, Readahead, ReadaheadOptions};
 
 use crate::workers::Workers;
 use crate::{Result, ServeError, io_err};
@@ -247,10 +247,14 @@ impl Shared {
         };
         let workers = {
             let dev = dev.clone();
+            // A huge page per worker, not 1 MiB of heap: base reads land in it straight
+            // (O_DIRECT), and a physically contiguous buffer takes a few of the virtio
+            // disk's ring descriptors instead of one per 4 KiB page. `nbdcopy` with 1 MiB
+            // requests (4 connections × 64) copied a cold 1 GiB ~25% faster.
             Workers::spawn(
                 "vabc-nbd",
                 opts.workers,
-                1 << 20,
+                HUGE_PAGE,
                 move |buf, job: ReadJob| {
                     let out = buf.slice_mut(job.len as usize);
                     // The reply is written from a read-ahead chunk when one holds it all.
