@@ -691,6 +691,24 @@ impl CowEngine {
         })
     }
 
+    /// A read counted in `active` (see `decode_on_pool`), verified if `verify` and a verifier
+    /// is set.
+    fn read_counted(&self, buf: &mut [u8], offset: u64, verify: bool) -> Result<()> {
+        check_range(offset, buf.len(), self.size)?;
+        if buf.is_empty() {
+            return Ok(());
+        }
+        self.active.fetch_add(1, Ordering::Relaxed);
+        let r = self
+            .read_unverified(buf, offset)
+            .and_then(|()| match &self.verifier {
+                Some(v) if verify => self.verify(v.as_ref(), buf, offset, true),
+                _ => Ok(()),
+            });
+        self.active.fetch_sub(1, Ordering::Relaxed);
+        r
+    }
+
     fn verify(
         &self,
         verifier: &dyn BlockVerifier,
@@ -701,7 +719,8 @@ impl CowEngine {
         let end = offset + buf.len() as u64;
         // Blocks inside the request (the device's short last block included) are checked
         // where they are, as runs so the verifier can hash them in pairs, split across the
-        // decode pool for large requests (hashing is the cost of verified serving). A block
+        // decode pool for large requests if `split` (hashing is the cost of verified
+        // serving; read-ahead checker threads check whole chunks each). A block
         // the request covers only in part is read whole, then checked.
         let whole_start = offset.div_ceil(BS) * BS;
         let whole_end = if end == self.size { end } else { end / BS * BS };
@@ -903,19 +922,7 @@ impl BlockDevice for CowEngine {
     }
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
-        check_range(offset, buf.len(), self.size)?;
-        if buf.is_empty() {
-            return Ok(());
-        }
-        self.active.fetch_add(1, Ordering::Relaxed);
-        let r = self
-            .read_unverified(buf, offset)
-            .and_then(|()| match &self.verifier {
-                Some(v) => self.verify(v.as_ref(), buf, offset, true),
-                None => Ok(()),
-            });
-        self.active.fetch_sub(1, Ordering::Relaxed);
-        r
+        self.read_counted(buf, offset, true)
     }
 
     fn separate_check(&self) -> bool {
@@ -923,14 +930,7 @@ impl BlockDevice for CowEngine {
     }
 
     fn read_unchecked(&self, buf: &mut [u8], offset: u64) -> Result<()> {
-        check_range(offset, buf.len(), self.size)?;
-        if buf.is_empty() {
-            return Ok(());
-        }
-        self.active.fetch_add(1, Ordering::Relaxed);
-        let r = self.read_unverified(buf, offset);
-        self.active.fetch_sub(1, Ordering::Relaxed);
-        r
+        self.read_counted(buf, offset, false)
     }
 
     fn check(&self, data: &[u8], offset: u64) -> Result<()> {

@@ -17,9 +17,9 @@
 //!
 //! A verified device is read and checked in two stages (see
 //! [`BlockDevice::separate_check`]): the reader threads only read, and checker threads
-//! (one per CPU, up to 8) hash what they read. When each reader hashed its own chunk, reads and
-//! hashing alternated on it, and a cold verified stream left a third of the CPU time
-//! idle waiting for the disk; a chunk is served only once checked.
+//! (one per CPU, up to 8) hash what they read; a chunk is served only once checked.
+//! When each reader hashed its own chunk, reads and hashing took turns on it, and a
+//! cold verified stream left a third of the CPU time idle waiting for the disk.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
