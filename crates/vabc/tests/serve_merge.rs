@@ -130,6 +130,18 @@ fn served_right_through_merge(diff_args: &[&str]) {
 /// new image's bytes, and so does a whole read after the merge.
 #[test]
 fn fuse_rings_serve_the_new_image_during_merge() {
+    fuse_serves_new_image_during_merge(false);
+}
+
+/// The same with every block checked against a dm-verity tree of the new image, and a
+/// sequential reader besides (read ahead, hashed by the checker threads): no block
+/// fails its check while the base changes underneath.
+#[test]
+fn verified_fuse_serves_the_new_image_during_merge() {
+    fuse_serves_new_image_during_merge(true);
+}
+
+fn fuse_serves_new_image_during_merge(verified: bool) {
     use std::os::unix::fs::FileExt;
     let tmp = tempfile::tempdir().unwrap();
     let t = tmp.path();
@@ -138,40 +150,75 @@ fn fuse_rings_serve_the_new_image_during_merge() {
     let dir = t.join("fuse");
     std::fs::create_dir(&dir).unwrap();
     set_fuse_uring_param(true);
-    let server = Server::start(&[
+    let size_arg = size.to_string();
+    let mut args = vec![
         os("--base"),
         base.as_os_str(),
         os("--cow"),
         cow.as_os_str(),
         os("--size"),
-        os(&size.to_string()),
+        os(&size_arg),
         os("--fuse"),
         dir.as_os_str(),
         os("--fuse-transport"),
         os("uring"),
         os("--merge"),
-    ]);
+    ];
+    let hash = t.join("new.verity");
+    let root;
+    if verified {
+        let o = Command::new(vabc())
+            .args(["verity", "format", "--json"])
+            .arg(&new)
+            .arg(&hash)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "verity format: {o:?}");
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        root = v["root_hash"].as_str().unwrap().to_string();
+        args.extend([
+            os("--verity-hash"),
+            hash.as_os_str(),
+            os("--root-hash"),
+            os(&root),
+        ]);
+    }
+    let server = Server::start_logged(&args, &t.join("serve.log"));
     server.assert_said("over FUSE io_uring");
+    if verified {
+        server.assert_said("verifying every block");
+    }
     let want = std::sync::Arc::new(std::fs::read(&new).unwrap());
     assert_eq!(want.len() as u64, size);
     let disk = dir.join("disk.img");
     let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let readers: Vec<_> = (0..4u64)
+    // Readers 0-3 read random ranges; reader 4 (verified only) streams 1 MiB requests
+    // from start to end, over and over.
+    let readers: Vec<_> = (0..4u64 + u64::from(verified))
         .map(|r| {
             let (want, done, disk) = (want.clone(), done.clone(), disk.clone());
             std::thread::spawn(move || {
                 let f = std::fs::File::open(&disk).unwrap();
                 let mut x = r.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
                 let mut reads = 0u64;
+                let mut pos = 0u64;
                 // At least 200 reads each, and on until the merge is over.
                 while reads < 200 || !done.load(std::sync::atomic::Ordering::Relaxed) {
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
-                    let len = [BS as u64, 3 * BS as u64 + 100, 256 << 10][(x % 3) as usize];
-                    let off = (x >> 8) % (size - len);
+                    let (off, len) = if r == 4 {
+                        let len = (1u64 << 20).min(size - pos);
+                        let at = pos;
+                        pos = if at + len >= size { 0 } else { at + len };
+                        (at, len)
+                    } else {
+                        x ^= x << 13;
+                        x ^= x >> 7;
+                        x ^= x << 17;
+                        let len = [BS as u64, 3 * BS as u64 + 100, 256 << 10][(x % 3) as usize];
+                        ((x >> 8) % (size - len), len)
+                    };
                     let mut buf = vec![0u8; len as usize];
-                    f.read_exact_at(&mut buf, off).unwrap();
+                    f.read_exact_at(&mut buf, off)
+                        .unwrap_or_else(|e| panic!("reader {r}: {len} bytes at {off}: {e}"));
                     assert!(
                         buf[..] == want[off as usize..][..len as usize],
                         "reader {r}: wrong bytes at {off}+{len}"
@@ -200,6 +247,11 @@ fn fuse_rings_serve_the_new_image_during_merge() {
         "served image after merge"
     );
     assert!(server.stop().success());
+    // Not one read failed (each failure is logged with its offset), and the merge ran
+    // to its end in this server.
+    let log = std::fs::read_to_string(t.join("serve.log")).unwrap();
+    assert!(!log.contains(" read of "), "{log}");
+    assert!(log.contains("merge complete"), "{log}");
     assert!(
         std::fs::read(&base).unwrap() == *want,
         "base is not the new image after the merge"
