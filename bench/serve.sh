@@ -38,7 +38,7 @@
 # Subsets for quick iterations: CONFIGS="loop-raw vabc" JOBS="seq1 seq8" bench/serve.sh
 # (CONFIGS may also name vabc-uring)
 # Other COWs: DIFF_ARGS="--no-xor" or DIFF_ARGS="--min-xor-run 64 --block-order" bench/serve.sh
-# (more `vabc diff` options)
+# (more `vabc diff` options). VABC=/path/to/vabc serves with that binary, no build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PAIR=${1:-system}
@@ -55,8 +55,12 @@ OLD=$CORPUS/$PAIR/old.ext4.img
 NEW=$CORPUS/$PAIR/new.ext4.img
 [ -f "$NEW" ] || bash ../shared/corpus/make-corpus.sh -p "$PAIR" -o "$CORPUS"
 
-cargo build --release -q -p vabc
-VABC=${CARGO_TARGET_DIR:-target}/release/vabc
+# VABC=/path/to/vabc skips the build (e.g. to compare two binaries).
+if [ -z "${VABC:-}" ]; then
+	cargo build --release -q -p vabc
+	VABC=${CARGO_TARGET_DIR:-target}/release/vabc
+fi
+[ -x "$VABC" ] || { echo "no vabc binary at $VABC" >&2; exit 1; }
 # lz4 by default: the codec Android devices decode at boot (zstd:19, our diff default,
 # makes a smaller COW that costs more CPU per served XOR/REPLACE block).
 CODEC=${CODEC:-lz4}
