@@ -22,6 +22,7 @@ use std::cell::RefCell;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use cow::{CowReader, Op, OpKind};
 use smallvec::SmallVec;
@@ -128,6 +129,12 @@ pub struct EngineStats {
     /// Source bytes that large requests read straight into the caller's buffer (no
     /// bounce buffer, no copy).
     pub in_place_bytes: AtomicU64,
+    /// Time of each `read_at` and `read_unchecked`: the engine's share of a request
+    /// (planning, file reads, decoding, and a verified `read_at`'s check). Reads that a
+    /// frontend plans and issues itself ([`ReadPlanner`]) are not in it.
+    pub reads: trace::Histogram,
+    /// Time of each verification: a request's blocks, or a read-ahead chunk's.
+    pub checks: trace::Histogram,
 }
 
 /// Destination blocks `[start, start + len)` are written by `ops[op]`.
@@ -698,6 +705,7 @@ impl CowEngine {
         if buf.is_empty() {
             return Ok(());
         }
+        let start = Instant::now();
         self.active.fetch_add(1, Ordering::Relaxed);
         let r = self
             .read_unverified(buf, offset)
@@ -706,10 +714,24 @@ impl CowEngine {
                 _ => Ok(()),
             });
         self.active.fetch_sub(1, Ordering::Relaxed);
+        self.stats.reads.record_since(start);
         r
     }
 
     fn verify(
+        &self,
+        verifier: &dyn BlockVerifier,
+        buf: &[u8],
+        offset: u64,
+        split: bool,
+    ) -> Result<()> {
+        let start = Instant::now();
+        let r = self.check_blocks(verifier, buf, offset, split);
+        self.stats.checks.record_since(start);
+        r
+    }
+
+    fn check_blocks(
         &self,
         verifier: &dyn BlockVerifier,
         buf: &[u8],

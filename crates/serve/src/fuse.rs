@@ -48,6 +48,8 @@ pub struct FuseOptions {
     /// Read ahead of sequential streams (a loop device above us at queue depth 1 waits
     /// for each request before it sends the next); `None` disables it.
     pub readahead: Option<ReadaheadOptions>,
+    /// Where the time of each READ, from its arrival to its reply, is recorded.
+    pub latency: Arc<trace::Histogram>,
 }
 
 impl Default for FuseOptions {
@@ -57,6 +59,7 @@ impl Default for FuseOptions {
             channel_threads: 1,
             workers: 16,
             readahead: Some(ReadaheadOptions::default()),
+            latency: Arc::default(),
         }
     }
 }
@@ -69,6 +72,7 @@ struct DiskFs {
     name: String,
     uid: u32,
     gid: u32,
+    latency: Arc<trace::Histogram>,
 }
 
 impl DiskFs {
@@ -206,7 +210,9 @@ impl Filesystem for DiskFs {
             reply.error(Errno::EISDIR);
             return;
         }
+        let start = std::time::Instant::now();
         serve_read(self, reply, offset, size);
+        self.latency.record_since(start);
     }
 
     fn flush(
@@ -301,6 +307,7 @@ impl FuseExport {
             name: opts.file_name.clone(),
             uid,
             gid,
+            latency: opts.latency.clone(),
         };
         let mut config = Config::default();
         config.mount_options = vec![

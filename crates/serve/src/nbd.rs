@@ -120,6 +120,8 @@ pub struct NbdOptions {
     /// one request at a time waits for each before it sends the next); `None`
     /// disables it.
     pub readahead: Option<ReadaheadOptions>,
+    /// Where the time of each READ, from its arrival to its reply, is recorded.
+    pub latency: Arc<trace::Histogram>,
 }
 
 impl Default for NbdOptions {
@@ -128,6 +130,7 @@ impl Default for NbdOptions {
             export_name: "vabc".into(),
             workers: 16,
             readahead: Some(ReadaheadOptions::default()),
+            latency: Arc::default(),
         }
     }
 }
@@ -223,6 +226,7 @@ struct ReadJob {
     cookie: u64,
     offset: u64,
     len: u32,
+    received: std::time::Instant,
 }
 
 struct Shared {
@@ -247,6 +251,7 @@ impl Shared {
         };
         let workers = {
             let dev = dev.clone();
+            let latency = opts.latency.clone();
             // A huge page per worker, not 1 MiB of heap: base reads land in it straight
             // (O_DIRECT), and a physically contiguous buffer takes a few of the virtio
             // disk's ring descriptors instead of one per 4 KiB page. `nbdcopy` with 1 MiB
@@ -272,6 +277,7 @@ impl Shared {
                         );
                         job.conn.reply(job.cookie, e.errno() as u32, &[]);
                     }
+                    latency.record_since(job.received);
                 },
             )
             .map_err(io_err("spawn NBD workers for", what))?
@@ -668,6 +674,7 @@ fn serve_connection(sh: &Arc<Shared>, mut s: Stream) -> io::Result<()> {
                         cookie,
                         offset,
                         len,
+                        received: std::time::Instant::now(),
                     };
                     if sh.workers.submit(job).is_err() {
                         conn.reply(cookie, libc::ESHUTDOWN as u32, &[]);

@@ -635,3 +635,68 @@ fn diff_verity_tree_checks_out_and_serves_the_update() {
     assert!(d.stop().success());
     assert_nothing_left(t);
 }
+
+/// `--stats` and SIGUSR1: the latency of each layer's reads, counted exactly.
+#[test]
+fn stats_count_each_layer_s_reads() {
+    let f = fixture();
+    let t = f.dir.path();
+    let fuse_dir = t.join("fuse-stats");
+    std::fs::create_dir_all(&fuse_dir).unwrap();
+    let sock = t.join("stats.sock");
+    let addr = format!("unix:{}", sock.display());
+    let mut args = serve_args(&f, &f.old, &f.cow, &f.hash, &f.root);
+    args.extend([os("--fuse"), fuse_dir.as_os_str(), os("--nbd"), os(&addr)]);
+    args.push(os("--stats"));
+    let log = t.join("stats.log");
+    let daemon = Server::start_logged(&args, &log);
+    let disk = File::open(fuse_dir.join("disk.img")).unwrap();
+    let (mut conn, _) = nbd_connect(&sock);
+    let mut buf = vec![0u8; BS];
+    for b in 0..10u64 {
+        disk.read_exact_at(&mut buf, b * 7 * BS as u64).unwrap();
+    }
+    for b in 0..7u64 {
+        nbd_read(&mut conn, b * 5 * BS as u64, BS as u32).unwrap();
+    }
+    drop(conn);
+    // SIGUSR1 prints the stats so far, and serving goes on.
+    let (ok, out) = run(Command::new("kill")
+        .arg("-USR1")
+        .arg(daemon.pid().to_string()));
+    assert!(ok, "kill -USR1: {out}");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !daemon.log().contains("stats: engine:") {
+        assert!(std::time::Instant::now() < deadline, "{}", daemon.log());
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let first = daemon.log();
+    assert!(
+        first.contains("stats: FUSE READs (arrival to reply): 10 timed, mean "),
+        "{first}"
+    );
+    assert!(
+        first.contains("stats: NBD READs (arrival to reply): 7 timed, mean "),
+        "{first}"
+    );
+    // Every read reached the engine and had its block checked.
+    assert!(
+        first.contains("stats: engine reads (read_at, planned reads not included): 17 timed"),
+        "{first}"
+    );
+    assert!(
+        first.contains("stats: dm-verity checks: 17 timed"),
+        "{first}"
+    );
+    disk.read_exact_at(&mut buf, 0).unwrap();
+    drop(disk);
+    assert!(daemon.stop().success());
+    // On exit (--stats), the same lines with the last read counted.
+    let last = std::fs::read_to_string(&log).unwrap();
+    let last = &last[first.len()..];
+    assert!(
+        last.contains("stats: FUSE READs (arrival to reply): 11 timed"),
+        "{last}"
+    );
+    assert!(last.contains("p50 ≤ ") && last.contains("p99 ≤ "), "{last}");
+}

@@ -91,6 +91,8 @@ pub struct UringOptions {
     /// How long an asynchronous queue thread polls its ring before sleeping while
     /// one of its small reads is in flight (zero: never). See [`async_queue`] for why.
     pub poll: Duration,
+    /// Where the time of each READ, from its arrival to its answer, is recorded.
+    pub latency: Arc<trace::Histogram>,
 }
 
 /// Default of [`UringOptions::poll`], chosen by measurement (bench/RESULTS.md, fifteenth
@@ -108,6 +110,7 @@ impl Default for UringOptions {
             readahead: Some(ReadaheadOptions::default()),
             pin: false,
             poll: DEFAULT_POLL,
+            latency: Arc::default(),
         }
     }
 }
@@ -297,7 +300,10 @@ impl FuseUringExport {
             reader: None,
             queues: Vec::new(),
             workers: Vec::new(),
-            counters: Arc::default(),
+            counters: Arc::new(Counters {
+                reads: opts.latency.clone(),
+                ..Counters::default()
+            }),
             queue_count,
         };
         // From here on, dropping `export` unmounts.
@@ -662,6 +668,7 @@ fn spawn_reader(
                 let body = &input[size_of::<proto::InHeader>()..n];
                 let (arg, rest) = body.split_at(proto::fixed_arg_size(h.opcode).min(body.len()));
                 let out = output.slice_mut(4096 + MAX_REQUEST);
+                let received = std::time::Instant::now();
                 let (error, len) = match fs.handle(&h, arg, rest, &mut out[4096..]) {
                     Outcome::Reply(len) => (0, len),
                     Outcome::Error(e) => (-e, 0),
@@ -680,6 +687,9 @@ fn spawn_reader(
                         Some(libc::ENODEV) => break,
                         _ => eprintln!("vabc serve: write /dev/fuse: {e}"),
                     }
+                }
+                if h.opcode == proto::READ {
+                    counters.reads.record_since(received);
                 }
             }
         })

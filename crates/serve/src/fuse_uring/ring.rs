@@ -32,6 +32,8 @@ pub(crate) struct Counters {
     pub(crate) dev: AtomicU64,
     /// READs of the ring answered from a read plan (reads on the queue's own ring).
     pub(crate) planned: AtomicU64,
+    /// Time of each READ, from its arrival to its answer, through either transport.
+    pub(crate) reads: Arc<trace::Histogram>,
 }
 
 pub(crate) struct Ent {
@@ -247,6 +249,9 @@ impl QueueThread {
         user_data: u64,
     ) {
         self.counters.ring.fetch_add(1, Ordering::Relaxed);
+        if req.ih.opcode == proto::READ {
+            self.counters.reads.record_since(req.received);
+        }
         let (error, n) = match outcome {
             Outcome::Reply(n) => (0, n),
             Outcome::Error(e) => (-e, 0),
@@ -293,6 +298,7 @@ pub(crate) struct Request {
     pub(crate) op_in: [u8; proto::FUSE_URING_OP_IN_OUT_SZ],
     pub(crate) payload_sz: u32,
     pub(crate) commit_id: u64,
+    pub(crate) received: std::time::Instant,
 }
 
 impl Request {
@@ -303,6 +309,7 @@ impl Request {
             op_in: hdr.op_in,
             payload_sz: hdr.ring_ent_in_out.payload_sz,
             commit_id: hdr.ring_ent_in_out.commit_id,
+            received: std::time::Instant::now(),
         }
     }
 }

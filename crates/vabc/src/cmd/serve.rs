@@ -90,6 +90,11 @@ pub struct Args {
     /// Read the base through the page cache instead of O_DIRECT.
     #[arg(long)]
     pub buffered: bool,
+    /// On exit, print where the time of the reads went: each frontend's READ latency
+    /// (arrival to reply), the engine's share, the dm-verity checks, and the engine's
+    /// counters. `kill -USR1` prints the same at any time, with or without this flag.
+    #[arg(long)]
+    pub stats: bool,
     /// Merge the COW into the base in the background while serving: the base
     /// becomes the new image in place (crash-safe, resumable), and every read
     /// stays correct before, during and after each op's merge.
@@ -195,6 +200,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         signal_hook::flag::register(sig, stop.clone()).context("install signal handler")?;
     }
+    let report = Arc::new(AtomicBool::new(false));
+    signal_hook::flag::register(signal_hook::consts::SIGUSR1, report.clone())
+        .context("install signal handler")?;
     let nbd_addr: Option<NbdAddr> = args.nbd.as_deref().map(str::parse).transpose()?;
     // Before any work: a missing driver is the likely failure.
     let ublk_transport = match args.ublk {
@@ -235,15 +243,23 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     if let Some(check) = open_verity(&args, size)? {
         engine.set_verifier(check);
     }
-    let dev: Arc<dyn BlockDevice> = Arc::new(engine);
+    let engine = Arc::new(engine);
+    let dev: Arc<dyn BlockDevice> = engine.clone();
+    let stats = Stats {
+        engine: engine.clone(),
+        fuse: Arc::default(),
+        nbd: Arc::default(),
+    };
 
     let fuse_opts = FuseOptions {
         channel_threads: args.fuse_threads,
         workers: args.workers,
+        latency: stats.fuse.clone(),
         ..FuseOptions::default()
     };
     let uring_opts = fuse_uring.then(|| serve::fuse_uring::UringOptions {
         poll: std::time::Duration::from_micros(args.fuse_uring_poll),
+        latency: stats.fuse.clone(),
         ..serve::fuse_uring::UringOptions::with_workers(args.workers)
     });
     let nbd = match &nbd_addr {
@@ -251,6 +267,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             let nbd_opts = NbdOptions {
                 export_name: args.export_name.clone(),
                 workers: args.workers,
+                latency: stats.nbd.clone(),
                 ..NbdOptions::default()
             };
             let server = NbdServer::bind(addr, dev.clone(), &nbd_opts)?;
@@ -360,6 +377,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             lost = true;
             break;
         }
+        if report.swap(false, Ordering::Relaxed) {
+            stats.print();
+        }
         std::thread::sleep(Duration::from_millis(100));
     }
 
@@ -393,6 +413,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     if let Some(n) = nbd {
         n.stop();
     }
+    if args.stats {
+        stats.print();
+    }
     result?;
     if lost_ublk {
         bail!("the ublk device was stopped from outside; stopped serving");
@@ -405,6 +428,44 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     }
     eprintln!("vabc serve: stopped, everything unmounted");
     Ok(ExitCode::SUCCESS)
+}
+
+/// Where the time of the reads goes, per layer (see `--stats`).
+struct Stats {
+    engine: Arc<CowEngine>,
+    fuse: Arc<trace::Histogram>,
+    nbd: Arc<trace::Histogram>,
+}
+
+impl Stats {
+    /// To stderr: a client may have closed our stdout after "ready".
+    fn print(&self) {
+        for (what, h) in [("FUSE READs", &self.fuse), ("NBD READs", &self.nbd)] {
+            let s = h.snapshot();
+            if s.count > 0 {
+                eprintln!("vabc serve: stats: {what} (arrival to reply): {s}");
+            }
+        }
+        let e = self.engine.stats();
+        eprintln!(
+            "vabc serve: stats: engine reads (read_at, planned reads not included): {}",
+            e.reads.snapshot()
+        );
+        let checks = e.checks.snapshot();
+        if checks.count > 0 {
+            eprintln!("vabc serve: stats: dm-verity checks: {checks}");
+        }
+        let n = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
+        eprintln!(
+            "vabc serve: stats: engine: {} base file reads, {} units decoded, {} unit cache hits, \
+             {} requests decoded on the pool, {} MiB read straight into reply buffers",
+            n(&e.base_reads),
+            n(&e.unit_decodes),
+            n(&e.cache_hits),
+            n(&e.parallel_requests),
+            n(&e.in_place_bytes) >> 20
+        );
+    }
 }
 
 /// A merge running in the background of the server.
