@@ -710,7 +710,10 @@ impl CowEngine {
         let r = self
             .read_unverified(buf, offset)
             .and_then(|()| match &self.verifier {
-                Some(v) if verify => self.verify(v.as_ref(), buf, offset, true),
+                Some(v) if verify => self
+                    .stats
+                    .checks
+                    .time(|| self.verify(v.as_ref(), buf, offset, true)),
                 _ => Ok(()),
             });
         self.active.fetch_sub(1, Ordering::Relaxed);
@@ -718,20 +721,8 @@ impl CowEngine {
         r
     }
 
+    /// Checks `buf`, read at `offset`; timed into `stats.checks` by the callers.
     fn verify(
-        &self,
-        verifier: &dyn BlockVerifier,
-        buf: &[u8],
-        offset: u64,
-        split: bool,
-    ) -> Result<()> {
-        let start = Instant::now();
-        let r = self.check_blocks(verifier, buf, offset, split);
-        self.stats.checks.record_since(start);
-        r
-    }
-
-    fn check_blocks(
         &self,
         verifier: &dyn BlockVerifier,
         buf: &[u8],
@@ -958,7 +949,10 @@ impl BlockDevice for CowEngine {
     fn check(&self, data: &[u8], offset: u64) -> Result<()> {
         check_range(offset, data.len(), self.size)?;
         match &self.verifier {
-            Some(v) if !data.is_empty() => self.verify(v.as_ref(), data, offset, false),
+            Some(v) if !data.is_empty() => self
+                .stats
+                .checks
+                .time(|| self.verify(v.as_ref(), data, offset, false)),
             _ => Ok(()),
         }
     }

@@ -82,6 +82,14 @@ impl Histogram {
         self.record(start.elapsed());
     }
 
+    /// Runs `f` and records how long it took.
+    pub fn time<R>(&self, f: impl FnOnce() -> R) -> R {
+        let start = Instant::now();
+        let r = f();
+        self.record_since(start);
+        r
+    }
+
     pub fn snapshot(&self) -> Snapshot {
         Snapshot {
             buckets: self
@@ -213,6 +221,19 @@ mod tests {
             "{text}"
         );
         assert!(text.ends_with("max 1.00 ms"), "{text}");
+    }
+
+    #[test]
+    fn time_records_the_closure() {
+        let h = Histogram::new();
+        let r = h.time(|| {
+            std::thread::sleep(Duration::from_millis(2));
+            7
+        });
+        assert_eq!(r, 7);
+        let s = h.snapshot();
+        assert_eq!(s.count, 1);
+        assert!(s.max() >= Duration::from_millis(2), "{s}");
     }
 
     #[test]
