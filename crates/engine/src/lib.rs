@@ -35,7 +35,7 @@ pub use cow_engine::{
 };
 pub use error::{EngineError, Result};
 pub use io::{AlignedBuf, DIRECT_ALIGN, HUGE_PAGE, ImageFile};
-pub use readahead::{Readahead, ReadaheadOptions};
+pub use readahead::{Readahead, ReadaheadOptions, ReadaheadStats};
 pub use uring::usable as io_uring_usable;
 
 /// Block size of the COW format and the engine's preferred I/O granularity.

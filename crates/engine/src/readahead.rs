@@ -22,7 +22,7 @@
 //! cold verified stream left a third of the CPU time idle waiting for the disk.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
@@ -39,6 +39,21 @@ const SHALLOW_QUEUE: usize = 4;
 /// Chunk buffers kept for reuse (16 MiB of the default 2 MiB chunks).
 const FREE_KEEP: usize = 8;
 
+/// What a [`Readahead`] did, for diagnostics (`vabc serve --stats`).
+#[derive(Debug, Default)]
+pub struct ReadaheadStats {
+    /// Chunks read ahead (and checked, for a device with a separate check).
+    pub chunks: AtomicU64,
+    /// Chunks whose read or check failed.
+    pub failed_chunks: AtomicU64,
+    /// Stream requests answered from chunks.
+    pub hits: AtomicU64,
+    /// Of those, requests that waited for a chunk still being read or checked.
+    pub waits: AtomicU64,
+    /// Stream requests read from the device themselves (not read ahead, or failed).
+    pub misses: AtomicU64,
+}
+
 /// Options of [`Readahead::new`].
 #[derive(Clone, Debug)]
 pub struct ReadaheadOptions {
@@ -51,6 +66,8 @@ pub struct ReadaheadOptions {
     /// Threads that check read-ahead chunks of a device with a separate check (see
     /// [`BlockDevice::separate_check`]); 0 means one per CPU, at most 8.
     pub check_threads: usize,
+    /// Counted into; shared with whoever reports them.
+    pub stats: Arc<ReadaheadStats>,
 }
 
 impl Default for ReadaheadOptions {
@@ -67,6 +84,7 @@ impl Default for ReadaheadOptions {
             chunk: HUGE_PAGE,
             threads: 4,
             check_threads: 0,
+            stats: Arc::default(),
         }
     }
 }
@@ -251,9 +269,11 @@ impl<D: BlockDevice + 'static> Readahead<D> {
         let mut st = s.lock();
         s.track(&mut st, offset, end);
         let Some(mut chunks) = s.covering(st, offset, end) else {
+            s.opts.stats.misses.fetch_add(1, Ordering::Relaxed);
             s.inner.read_at(buf, offset)?;
             return Ok(None);
         };
+        s.opts.stats.hits.fetch_add(1, Ordering::Relaxed);
         if chunks.len() == 1 {
             return Ok(chunks.pop());
         }
@@ -344,6 +364,11 @@ impl<D: BlockDevice> Shared<D> {
 
     /// Ends the read of the chunk at `off`: ready with its bytes, or failed.
     fn settle(&self, st: &mut State, off: u64, chunk: Option<Chunk>) {
+        let counter = match chunk {
+            Some(_) => &self.opts.stats.chunks,
+            None => &self.opts.stats.failed_chunks,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
         if let Some((_, slot)) = st.slots.iter_mut().find(|(o, _)| *o == off) {
             *slot = match chunk {
                 Some(c) => Slot::Ready(Arc::new(c)),
@@ -399,6 +424,7 @@ impl<D: BlockDevice> Shared<D> {
         end: u64,
     ) -> Option<Vec<(u64, Arc<Chunk>)>> {
         let chunk = self.opts.chunk as u64;
+        let mut waited = false;
         loop {
             let mut out = Vec::new();
             let mut c = off / chunk * chunk;
@@ -413,6 +439,10 @@ impl<D: BlockDevice> Shared<D> {
             }
             if !pending {
                 return Some(out);
+            }
+            if !waited {
+                waited = true;
+                self.opts.stats.waits.fetch_add(1, Ordering::Relaxed);
             }
             st = self.done.wait(st).unwrap_or_else(|p| p.into_inner());
         }
@@ -533,7 +563,7 @@ mod tests {
                 depth: 1 << 20,
                 chunk: 128 << 10,
                 threads: 2,
-                check_threads: 0,
+                ..ReadaheadOptions::default()
             },
         )
         .unwrap()

@@ -209,6 +209,7 @@ fn read_ahead_chunks_are_checked_before_they_are_served() {
     use engine::{Readahead, ReadaheadOptions};
     let size = 4 << 20;
     let v = Recording::new(size, &[700]);
+    let ra_stats = std::sync::Arc::new(engine::ReadaheadStats::default());
     let ra = Readahead::new(
         engine(size as u64, v.clone()),
         ReadaheadOptions {
@@ -216,6 +217,7 @@ fn read_ahead_chunks_are_checked_before_they_are_served() {
             chunk: 128 << 10,
             threads: 2,
             check_threads: 2,
+            stats: ra_stats.clone(),
         },
     )
     .unwrap();
@@ -237,6 +239,15 @@ fn read_ahead_chunks_are_checked_before_they_are_served() {
     let calls = v.take();
     let chunk_checks = calls.iter().filter(|c| c.1 == 128 << 10).count();
     assert!(chunk_checks > 10, "{chunk_checks} chunks checked whole");
+    // The counters agree: the bad block's chunk failed its check, the request over it
+    // read the device itself.
+    let n = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    let st = &ra_stats;
+    assert_eq!(n(&st.failed_chunks), 1);
+    assert!(n(&st.chunks) + 1 >= chunk_checks as u64, "{st:?}");
+    assert!(n(&st.hits) > 20 && n(&st.misses) >= 1, "{st:?}");
+    // Every request of the stream (64 KiB, large enough to count) is one or the other.
+    assert_eq!(n(&st.hits) + n(&st.misses), 64, "{st:?}");
     let mut checked = vec![0u32; size / 4096];
     for (first, len, _) in calls {
         for b in first..first + (len as u64).div_ceil(4096) {

@@ -688,15 +688,36 @@ fn stats_count_each_layer_s_reads() {
         first.contains("stats: dm-verity checks: 17 timed"),
         "{first}"
     );
-    disk.read_exact_at(&mut buf, 0).unwrap();
+    assert!(!first.contains("read-ahead"), "no stream yet: {first}");
+    // The whole device as a stream of 256 KiB reads, which the read-ahead follows
+    // (from the first 2 MiB chunk boundary after the stream is seen).
+    let mut big = vec![0u8; 256 << 10];
+    for i in 0..16u64 {
+        let off = i * big.len() as u64;
+        disk.read_exact_at(&mut big, off).unwrap();
+        assert!(big[..] == f.new_data[off as usize..][..big.len()]);
+    }
     drop(disk);
     assert!(daemon.stop().success());
-    // On exit (--stats), the same lines with the last read counted.
+    // On exit (--stats), the same lines with the stream counted.
     let last = std::fs::read_to_string(&log).unwrap();
     let last = &last[first.len()..];
     assert!(
-        last.contains("stats: FUSE READs (arrival to reply): 11 timed"),
+        last.contains("stats: FUSE READs (arrival to reply): 26 timed"),
         "{last}"
     );
     assert!(last.contains("p50 ≤ ") && last.contains("p99 ≤ "), "{last}");
+    let ra = last
+        .lines()
+        .find(|l| l.contains("stats: read-ahead: "))
+        .unwrap_or_else(|| panic!("no read-ahead line: {last}"));
+    // "... N stream requests answered from them (W waited for one), M read directly"
+    let number_before = |what: &str| -> u64 {
+        let head = &ra[..ra.find(what).unwrap_or_else(|| panic!("{what} in {ra}"))];
+        let word = head.split_whitespace().last().unwrap();
+        word.trim_start_matches('(').parse().unwrap()
+    };
+    let (hits, misses) = (number_before(" stream"), number_before(" read directly"));
+    assert_eq!(hits + misses, 16, "{ra}");
+    assert!(hits >= 4, "{ra}");
 }

@@ -91,8 +91,9 @@ pub struct Args {
     #[arg(long)]
     pub buffered: bool,
     /// On exit, print where the time of the reads went: each frontend's READ latency
-    /// (arrival to reply), the engine's share, the dm-verity checks, and the engine's
-    /// counters. `kill -USR1` prints the same at any time, with or without this flag.
+    /// (arrival to reply), the engine's share, the dm-verity checks, what the read-ahead
+    /// served, and the engine's counters. `kill -USR1` prints the same at any time, with
+    /// or without this flag.
     #[arg(long)]
     pub stats: bool,
     /// Merge the COW into the base in the background while serving: the base
@@ -249,17 +250,25 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         engine: engine.clone(),
         fuse: Arc::default(),
         nbd: Arc::default(),
+        readahead: Arc::default(),
     };
+    // One set of read-ahead counters for every frontend's read-ahead.
+    let readahead = Some(engine::ReadaheadOptions {
+        stats: stats.readahead.clone(),
+        ..Default::default()
+    });
 
     let fuse_opts = FuseOptions {
         channel_threads: args.fuse_threads,
         workers: args.workers,
         latency: stats.fuse.clone(),
+        readahead: readahead.clone(),
         ..FuseOptions::default()
     };
     let uring_opts = fuse_uring.then(|| serve::fuse_uring::UringOptions {
         poll: std::time::Duration::from_micros(args.fuse_uring_poll),
         latency: stats.fuse.clone(),
+        readahead: readahead.clone(),
         ..serve::fuse_uring::UringOptions::with_workers(args.workers)
     });
     let nbd = match &nbd_addr {
@@ -268,7 +277,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                 export_name: args.export_name.clone(),
                 workers: args.workers,
                 latency: stats.nbd.clone(),
-                ..NbdOptions::default()
+                readahead: readahead.clone(),
             };
             let server = NbdServer::bind(addr, dev.clone(), &nbd_opts)?;
             let uri = server.addr().to_string();
@@ -435,6 +444,7 @@ struct Stats {
     engine: Arc<CowEngine>,
     fuse: Arc<trace::Histogram>,
     nbd: Arc<trace::Histogram>,
+    readahead: Arc<engine::ReadaheadStats>,
 }
 
 impl Stats {
@@ -456,6 +466,18 @@ impl Stats {
             eprintln!("vabc serve: stats: dm-verity checks: {checks}");
         }
         let n = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
+        let ra = &self.readahead;
+        if n(&ra.hits) + n(&ra.misses) > 0 {
+            eprintln!(
+                "vabc serve: stats: read-ahead: {} chunks read ahead ({} failed), {} stream \
+                 requests answered from them ({} waited for one), {} read directly",
+                n(&ra.chunks),
+                n(&ra.failed_chunks),
+                n(&ra.hits),
+                n(&ra.waits),
+                n(&ra.misses)
+            );
+        }
         eprintln!(
             "vabc serve: stats: engine: {} base file reads, {} units decoded, {} unit cache hits, \
              {} requests decoded on the pool, {} MiB read straight into reply buffers",
