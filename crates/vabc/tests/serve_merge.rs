@@ -167,15 +167,10 @@ fn fuse_serves_new_image_during_merge(verified: bool) {
     let hash = t.join("new.verity");
     let root;
     if verified {
-        let o = Command::new(vabc())
-            .args(["verity", "format", "--json"])
-            .arg(&new)
-            .arg(&hash)
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "verity format: {o:?}");
-        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-        root = v["root_hash"].as_str().unwrap().to_string();
+        root = verity_format(&new, &hash)["root_hash"]
+            .as_str()
+            .unwrap()
+            .to_string();
         args.extend([
             os("--verity-hash"),
             hash.as_os_str(),

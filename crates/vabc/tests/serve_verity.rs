@@ -16,7 +16,9 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use serve_common::{BS, Server, assert_nothing_left, os, run, set_fuse_uring_param, vabc};
+use serve_common::{
+    BS, Server, assert_nothing_left, os, run, set_fuse_uring_param, vabc, verity_format,
+};
 
 /// 4 MiB: 1024 data blocks, so the sha256 tree has 8 leaf blocks of 128 digests
 /// under one top block.
@@ -106,14 +108,7 @@ fn fixture() -> Fixture {
     std::fs::write(&old, &old_data).unwrap();
     std::fs::write(&new, &new_data).unwrap();
     let hash = t.join("new.verity");
-    let out = Command::new(vabc())
-        .args(["verity", "format", "--json"])
-        .arg(&new)
-        .arg(&hash)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "verity format: {out:?}");
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = verity_format(&new, &hash);
     assert_eq!(v["data_blocks"], BLOCKS);
     assert_eq!(v["hash_blocks"], 9);
     Fixture {

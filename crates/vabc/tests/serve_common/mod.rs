@@ -19,6 +19,18 @@ pub fn vabc() -> &'static str {
 }
 
 /// Runs `vabc ARGS` to completion.
+/// `vabc verity format --json DATA HASH`: its JSON report (root hash, tree layout).
+pub fn verity_format(data: &Path, hash: &Path) -> serde_json::Value {
+    let o = Command::new(vabc())
+        .args(["verity", "format", "--json"])
+        .arg(data)
+        .arg(hash)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "verity format: {o:?}");
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
 pub fn run_vabc(args: &[&str]) -> std::process::Output {
     Command::new(vabc()).args(args).output().unwrap()
 }
