@@ -143,6 +143,8 @@ struct Shared<D> {
     free: FreeList,
     /// Requests currently inside `read_at`.
     in_flight: AtomicUsize,
+    /// Requests a frontend holds queued for this device (see [`Readahead::queued`]).
+    queued: AtomicUsize,
     /// Signalled when a chunk is queued or on shutdown.
     work: Condvar,
     /// Signalled when a chunk leaves `Pending`.
@@ -186,6 +188,7 @@ impl<D: BlockDevice + 'static> Readahead<D> {
             }),
             free: FreeList::default(),
             in_flight: AtomicUsize::new(0),
+            queued: AtomicUsize::new(0),
             work: Condvar::new(),
             done: Condvar::new(),
             check_work: Condvar::new(),
@@ -220,6 +223,16 @@ impl<D: BlockDevice + 'static> Readahead<D> {
 
     pub fn inner(&self) -> &D {
         &self.shared.inner
+    }
+
+    /// Requests the frontend has accepted for this device but not yet started: one that
+    /// queues requests for a pool of workers (the NBD server) counts them here, so the
+    /// read-ahead steps aside under a deep queue as it does when many reads run at once.
+    /// Without it, a client with hundreds of requests outstanding that the workers take
+    /// a few at a time looks shallow, and chunks are read ahead for nothing (`nbdcopy`'s
+    /// defaults: 600 MiB read ahead for 136 MiB used, before this count).
+    pub fn queued(&self) -> &AtomicUsize {
+        &self.shared.queued
     }
 
     /// Serves `[offset, offset + buf.len())` to `f`: straight from a read-ahead chunk
@@ -396,7 +409,8 @@ impl<D: BlockDevice> Shared<D> {
         let (lo, hi) = (st.hi.saturating_sub(depth), st.hi + depth);
         st.slots
             .retain(|(o, slot)| matches!(slot, Slot::Pending) || (*o + chunk > lo && *o < hi));
-        if st.streak < 2 || self.in_flight.load(Ordering::Relaxed) > SHALLOW_QUEUE {
+        let queue = self.in_flight.load(Ordering::Relaxed) + self.queued.load(Ordering::Relaxed);
+        if st.streak < 2 || queue > SHALLOW_QUEUE {
             return;
         }
         let size = self.inner.size();
@@ -594,6 +608,26 @@ mod tests {
         let served = d.inner().served.load(Ordering::Relaxed);
         assert!(served <= size + (1 << 20), "{served}");
         assert!(served >= size, "{served}");
+    }
+
+    #[test]
+    fn a_deep_queue_in_the_frontend_turns_read_ahead_off() {
+        let size = 4 << 20;
+        let d = dev(size, None);
+        // Many requests wait in the frontend: a stream is not read ahead.
+        d.queued().store(SHALLOW_QUEUE + 1, Ordering::Relaxed);
+        for off in (0..size / 2).step_by(64 << 10) {
+            check(&d, off, 64 << 10);
+        }
+        assert_eq!(d.inner().served.load(Ordering::Relaxed), size / 2);
+        // The queue drains: the same stream is read ahead again.
+        d.queued().store(0, Ordering::Relaxed);
+        for off in (size / 2..size).step_by(64 << 10) {
+            check(&d, off, 64 << 10);
+        }
+        let stats = &d.shared.opts.stats;
+        assert!(stats.chunks.load(Ordering::Relaxed) > 0);
+        assert!(stats.hits.load(Ordering::Relaxed) > 0);
     }
 
     #[test]

@@ -231,6 +231,8 @@ struct ReadJob {
 
 struct Shared {
     dev: Arc<dyn BlockDevice>,
+    /// The read-ahead the workers read through, told how many reads wait for a worker.
+    readahead: Option<Arc<Readahead<Arc<dyn BlockDevice>>>>,
     opts: NbdOptions,
     workers: Workers<ReadJob>,
     stop: AtomicBool,
@@ -252,6 +254,7 @@ impl Shared {
         let workers = {
             let dev = dev.clone();
             let latency = opts.latency.clone();
+            let readahead = readahead.clone();
             // A huge page per worker, not 1 MiB of heap: base reads land in it straight
             // (O_DIRECT), and a physically contiguous buffer takes a few of the virtio
             // disk's ring descriptors instead of one per 4 KiB page. `nbdcopy` with 1 MiB
@@ -261,6 +264,9 @@ impl Shared {
                 opts.workers,
                 HUGE_PAGE,
                 move |buf, job: ReadJob| {
+                    if let Some(ra) = &readahead {
+                        ra.queued().fetch_sub(1, Ordering::Relaxed);
+                    }
                     let out = buf.slice_mut(job.len as usize);
                     // The reply is written from a read-ahead chunk when one holds it all.
                     let result = match &readahead {
@@ -284,6 +290,7 @@ impl Shared {
         };
         Ok(Shared {
             dev,
+            readahead,
             opts: opts.clone(),
             workers,
             stop: AtomicBool::new(false),
@@ -676,7 +683,14 @@ fn serve_connection(sh: &Arc<Shared>, mut s: Stream) -> io::Result<()> {
                         len,
                         received: std::time::Instant::now(),
                     };
+                    let queued = sh.readahead.as_ref().map(|ra| ra.queued());
+                    if let Some(q) = queued {
+                        q.fetch_add(1, Ordering::Relaxed);
+                    }
                     if sh.workers.submit(job).is_err() {
+                        if let Some(q) = queued {
+                            q.fetch_sub(1, Ordering::Relaxed);
+                        }
                         conn.reply(cookie, libc::ESHUTDOWN as u32, &[]);
                     }
                 }
