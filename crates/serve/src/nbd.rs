@@ -9,6 +9,8 @@
 //! that reads sequentially with few requests in flight is read ahead of, as the FUSE
 //! export is ([`engine::Readahead`], shared by all connections): `nbdcopy` with one
 //! 1 MiB request at a time copied a cold 1 GiB image in 0.59-0.67 s instead of 1.64 s.
+//! Requests waiting for a worker are counted into it, so that it steps aside for
+//! clients that keep many requests outstanding.
 
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
