@@ -8,7 +8,7 @@
 //! issuing CPU's queue; the queue's thread answers it straight into the entry's payload
 //! buffer, and commits the answer and fetches the next request in one SQE.
 //!
-//! By default the queue threads are asynchronous ([`async_queue`]): one thread per
+//! By default the queue threads are asynchronous (`async_queue`): one thread per
 //! queue holds many entries, issues the base-image and COW reads of small READs on its
 //! own ring and never blocks on them; large READs go to a worker pool. Measured on the
 //! corpus `system` pair through a loop device (2 vCPUs, bench/serve.sh, machine shared
@@ -18,10 +18,10 @@
 //! The synchronous design stays selectable ([`UringOptions::synchronous`]).
 //!
 //! The `fuser` crate refuses FUSE_OVER_IO_URING, so this speaks the protocol on
-//! /dev/fuse itself ([`proto`]): mount(2) with `fd=N`, INIT, then one ring per queue
-//! thread ([`ring`]). /dev/fuse stays in use for what the kernel never sends over the
+//! /dev/fuse itself (`proto`): mount(2) with `fd=N`, INIT, then one ring per queue
+//! thread (`ring`). /dev/fuse stays in use for what the kernel never sends over the
 //! ring (FORGET, INTERRUPT, requests before the ring is ready), read by one thread.
-//! The file system ([`fs`]) answers like the classic frontend.
+//! The file system (`fs`) answers like the classic frontend.
 
 mod async_queue;
 pub(crate) mod fs;
@@ -61,7 +61,7 @@ pub struct UringOptions {
     pub file_name: String,
     /// Asynchronous queue threads (the default): each thread keeps many requests in
     /// flight, issuing their base-image and COW reads on its own ring
-    /// ([`async_queue`]); large READs and devices that cannot plan reads go to
+    /// (`async_queue`); large READs and devices that cannot plan reads go to
     /// `sync_workers` threads. Off: every thread answers one request at a time,
     /// blocking in the engine, so each queue needs many threads.
     pub async_reads: bool,
@@ -89,7 +89,7 @@ pub struct UringOptions {
     /// workers unpinned).
     pub pin: bool,
     /// How long an asynchronous queue thread polls its ring before sleeping while
-    /// one of its small reads is in flight (zero: never). See [`async_queue`] for why.
+    /// one of its small reads is in flight (zero: never). See `async_queue` for why.
     pub poll: Duration,
     /// Where the time of each READ, from its arrival to its answer, is recorded.
     pub latency: Arc<trace::Histogram>,
