@@ -698,8 +698,8 @@ impl CowEngine {
         })
     }
 
-    /// A read counted in `active` (see `decode_on_pool`), verified if `verify` and a verifier
-    /// is set.
+    /// A read counted in `active` (see `decode_on_pool`) and timed into `stats.reads`,
+    /// verified if `verify` and a verifier is set.
     fn read_counted(&self, buf: &mut [u8], offset: u64, verify: bool) -> Result<()> {
         check_range(offset, buf.len(), self.size)?;
         if buf.is_empty() {

@@ -138,6 +138,8 @@ struct State {
 
 struct Shared<D> {
     inner: D,
+    /// `inner.separate_check()`: chunks go through the checker threads.
+    separate: bool,
     opts: ReadaheadOptions,
     state: Mutex<State>,
     /// Not under `state`: chunks are dropped with and without that lock held.
@@ -175,7 +177,8 @@ impl<D: BlockDevice + 'static> Readahead<D> {
         // waiting for a checker: twice the depth keeps as many ready ahead. Cold verified
         // 1 GiB reads through FUSE: 0.58-0.64 s against 0.61-0.71 s, faster in five of
         // five alternating bench/verity.sh runs (bench/RESULTS.md, twentieth session).
-        let depth = match inner.separate_check() {
+        let separate = inner.separate_check();
+        let depth = match separate {
             true => opts.depth.saturating_mul(2),
             false => opts.depth,
         };
@@ -187,6 +190,7 @@ impl<D: BlockDevice + 'static> Readahead<D> {
         };
         let shared = Arc::new(Shared {
             inner,
+            separate,
             opts,
             state: Mutex::new(State {
                 hi: 0,
@@ -203,7 +207,7 @@ impl<D: BlockDevice + 'static> Readahead<D> {
             done: Condvar::new(),
             check_work: Condvar::new(),
         });
-        let checkers = match shared.inner.separate_check() {
+        let checkers = match separate {
             false => 0,
             true if shared.opts.check_threads > 0 => shared.opts.check_threads,
             // More checkers than this could only hash faster than the readers read.
@@ -344,7 +348,7 @@ impl<D: BlockDevice> Shared<D> {
                 .unwrap_or_default();
             drop(st);
             let len = (self.opts.chunk as u64).min(self.inner.size() - off) as usize;
-            let separate = self.inner.separate_check();
+            let separate = self.separate;
             let ok = match separate {
                 true => self.inner.read_unchecked(buf.slice_mut(len), off),
                 false => self.inner.read_at(buf.slice_mut(len), off),
