@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, UNIX_EPOCH};
 
-use engine::{BlockDevice, Readahead, ReadaheadOptions};
+use engine::{BlockDevice, ReadaheadOptions};
 use fuser::{
     Config, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, INodeNo, InitFlags,
     KernelConfig, LockOwner, MountOption, OpenAccMode, OpenFlags, ReplyAttr, ReplyData,
@@ -25,7 +25,7 @@ use fuser::{
 };
 
 use crate::mount::free_mount_dir;
-use crate::{Result, io_err};
+use crate::{DevReadahead, Result, io_err, read_then, readahead_for};
 
 /// Largest request the kernel sends with the default `fs.fuse.max_pages_limit`.
 pub const MAX_REQUEST: usize = 1 << 20;
@@ -67,7 +67,7 @@ impl Default for FuseOptions {
 struct DiskFs {
     dev: Arc<dyn BlockDevice>,
     /// `dev` itself when reading ahead: replies come straight from its chunks.
-    readahead: Option<Arc<Readahead<Arc<dyn BlockDevice>>>>,
+    readahead: Option<Arc<DevReadahead>>,
     size: u64,
     name: String,
     uid: u32,
@@ -133,18 +133,11 @@ fn serve_read(fs: &DiskFs, reply: ReplyData, offset: u64, want: u32) {
         // Sized for the largest request once, so it is never reallocated.
         let out = &mut buf.slice_mut(n.max(MAX_REQUEST))[..n];
         let mut reply = Some(reply);
-        let result = match &fs.readahead {
-            Some(ra) => ra.read_with(out, offset, |data| {
-                if let Some(r) = reply.take() {
-                    r.data(data)
-                }
-            }),
-            None => fs.dev.read_at(out, offset).map(|()| {
-                if let Some(r) = reply.take() {
-                    r.data(out)
-                }
-            }),
-        };
+        let result = read_then(&*fs.dev, fs.readahead.as_deref(), out, offset, |data| {
+            if let Some(r) = reply.take() {
+                r.data(data)
+            }
+        });
         if let Err(e) = result {
             eprintln!("vabc serve: FUSE read of {n} bytes at offset {offset}: {e}");
             if let Some(r) = reply.take() {
@@ -286,13 +279,7 @@ impl FuseExport {
     /// mount point. Returns once the kernel has completed the FUSE handshake.
     pub fn mount(dev: Arc<dyn BlockDevice>, dir: &Path, opts: &FuseOptions) -> Result<FuseExport> {
         let dir = free_mount_dir(dir)?;
-        let readahead = match &opts.readahead {
-            Some(ra) => Some(Arc::new(
-                Readahead::new(dev.clone(), ra.clone())
-                    .map_err(io_err("spawn readahead for", &dir))?,
-            )),
-            None => None,
-        };
+        let readahead = readahead_for(&dev, opts.readahead.as_ref(), &dir)?;
         let dev: Arc<dyn BlockDevice> = match &readahead {
             Some(ra) => ra.clone(),
             None => dev,

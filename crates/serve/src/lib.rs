@@ -22,6 +22,9 @@ mod workers;
 
 use std::io;
 use std::path::PathBuf;
+use std::sync::Arc;
+
+use engine::{BlockDevice, Readahead, ReadaheadOptions};
 
 pub use workers::Workers;
 
@@ -56,6 +59,40 @@ pub(crate) fn io_err(
 ) -> impl FnOnce(io::Error) -> ServeError {
     let path = path.into();
     move |source| ServeError::Io { op, path, source }
+}
+
+/// The read-ahead in front of a frontend's device.
+pub(crate) type DevReadahead = Readahead<Arc<dyn BlockDevice>>;
+
+/// The read-ahead a frontend reads `dev` through, when `opts` asks for one (`what`
+/// names the export in errors).
+pub(crate) fn readahead_for(
+    dev: &Arc<dyn BlockDevice>,
+    opts: Option<&ReadaheadOptions>,
+    what: impl Into<PathBuf>,
+) -> Result<Option<Arc<DevReadahead>>> {
+    opts.map(|o| {
+        Readahead::new(dev.clone(), o.clone())
+            .map(Arc::new)
+            .map_err(io_err("spawn readahead for", what))
+    })
+    .transpose()
+}
+
+/// Reads `[offset, offset + buf.len())` of `dev`, through `readahead` when there is one,
+/// and hands the bytes to `reply`: straight from a read-ahead chunk when one holds them
+/// all (no copy), otherwise from `buf`.
+pub(crate) fn read_then<R>(
+    dev: &dyn BlockDevice,
+    readahead: Option<&DevReadahead>,
+    buf: &mut [u8],
+    offset: u64,
+    reply: impl FnOnce(&[u8]) -> R,
+) -> engine::Result<R> {
+    match readahead {
+        Some(ra) => ra.read_with(buf, offset, reply),
+        None => dev.read_at(buf, offset).map(|()| reply(buf)),
+    }
 }
 
 /// Marks this process as part of the block I/O path so memory reclaim does not wait on

@@ -22,10 +22,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use engine::{BlockDevice, HUGE_PAGE, Readahead, ReadaheadOptions};
+use engine::{BlockDevice, HUGE_PAGE, ReadaheadOptions};
 
 use crate::workers::Workers;
-use crate::{Result, ServeError, io_err};
+use crate::{DevReadahead, Result, ServeError, io_err, read_then, readahead_for};
 
 const NBDMAGIC: u64 = 0x4e42_444d_4147_4943; // "NBDMAGIC"
 const IHAVEOPT: u64 = 0x4948_4156_454F_5054; // "IHAVEOPT"
@@ -234,7 +234,7 @@ struct ReadJob {
 struct Shared {
     dev: Arc<dyn BlockDevice>,
     /// The read-ahead the workers read through, told how many reads wait for a worker.
-    readahead: Option<Arc<Readahead<Arc<dyn BlockDevice>>>>,
+    readahead: Option<Arc<DevReadahead>>,
     opts: NbdOptions,
     workers: Workers<ReadJob>,
     stop: AtomicBool,
@@ -246,13 +246,7 @@ impl Shared {
     /// The state every connection of a server shares, with its read workers
     /// (`what` names the server in errors).
     fn new(dev: Arc<dyn BlockDevice>, opts: &NbdOptions, what: &str) -> Result<Shared> {
-        let readahead = match &opts.readahead {
-            Some(ra) => Some(Arc::new(
-                Readahead::new(dev.clone(), ra.clone())
-                    .map_err(io_err("spawn readahead for", what))?,
-            )),
-            None => None,
-        };
+        let readahead = readahead_for(&dev, opts.readahead.as_ref(), what)?;
         let workers = {
             let dev = dev.clone();
             let latency = opts.latency.clone();
@@ -270,14 +264,9 @@ impl Shared {
                         ra.queued().fetch_sub(1, Ordering::Relaxed);
                     }
                     let out = buf.slice_mut(job.len as usize);
-                    // The reply is written from a read-ahead chunk when one holds it all.
-                    let result = match &readahead {
-                        Some(ra) => ra
-                            .read_with(out, job.offset, |data| job.conn.reply(job.cookie, 0, data)),
-                        None => dev
-                            .read_at(out, job.offset)
-                            .map(|()| job.conn.reply(job.cookie, 0, out)),
-                    };
+                    let result = read_then(&*dev, readahead.as_deref(), out, job.offset, |data| {
+                        job.conn.reply(job.cookie, 0, data)
+                    });
                     if let Err(e) = result {
                         eprintln!(
                             "vabc serve: NBD read of {} bytes at offset {}: {e}",

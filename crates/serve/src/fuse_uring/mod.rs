@@ -43,13 +43,13 @@ use std::sync::mpsc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use engine::{AlignedBuf, BlockDevice, Readahead, ReadaheadOptions};
+use engine::{AlignedBuf, BlockDevice, ReadaheadOptions};
 
 use self::fs::{DiskFs, Outcome};
 use self::ring::{Counters, QueueThread};
 use crate::fuse::MAX_REQUEST;
 use crate::mount::free_mount_dir;
-use crate::{Result, ServeError, io_err};
+use crate::{Result, ServeError, io_err, readahead_for};
 
 /// Where the kernel's switch lives.
 pub const ENABLE_PARAM: &str = "/sys/module/fuse/parameters/enable_uring";
@@ -270,10 +270,8 @@ impl FuseUringExport {
         let dir = free_mount_dir(dir)?;
         let queue_count = possible_cpus()?;
         let planned = dev.clone();
-        let dev: Arc<dyn BlockDevice> = match &opts.readahead {
-            Some(ra) => Arc::new(
-                Readahead::new(dev, ra.clone()).map_err(io_err("spawn readahead for", &dir))?,
-            ),
+        let dev: Arc<dyn BlockDevice> = match readahead_for(&dev, opts.readahead.as_ref(), &dir)? {
+            Some(ra) => ra,
             None => dev,
         };
         // SAFETY: getuid/getgid cannot fail and touch no memory.
