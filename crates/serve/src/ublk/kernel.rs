@@ -5,15 +5,15 @@
 //! module documentation of [`super`].
 
 use std::fs::{File, OpenOptions};
-use std::io;
-use std::os::fd::AsRawFd;
+use std::io::{self, Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use io_uring::{IoUring, cqueue, opcode, squeue, types};
 
-use super::queue::{IoDesc, QueueEvent, QueueTransport};
+use super::queue::{IoDesc, QueueEvent, QueueTransport, Waker};
 use super::{DeviceParams, UblkError, UblkTransport, sys};
 
 /// A device on the kernel's ublk driver.
@@ -175,6 +175,53 @@ impl UblkTransport for KernelTransport {
     }
 }
 
+/// `user_data` of the wake-up poll's completions; a tag's commands carry the tag (< 2^16).
+const WAKE: u64 = u64::MAX;
+
+/// Lets other threads wake a thread blocked in `io_uring_enter`: an eventfd that the
+/// ring polls (multishot, so one poll serves every wake-up), as libublksrv's queues do.
+pub(crate) struct RingWake {
+    fd: Arc<File>,
+}
+
+impl RingWake {
+    pub(crate) fn new() -> io::Result<RingWake> {
+        // SAFETY: eventfd takes no pointers; the result is checked before use.
+        let raw = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if raw < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `raw` is a fresh descriptor that nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        Ok(RingWake {
+            fd: Arc::new(File::from(fd)),
+        })
+    }
+
+    /// The poll to push (again whenever a completion of it lacks `IORING_CQE_F_MORE`).
+    pub(crate) fn poll(&self) -> squeue::Entry {
+        opcode::PollAdd::new(types::Fd(self.fd.as_raw_fd()), libc::POLLIN as u32)
+            .multi(true)
+            .build()
+            .user_data(WAKE)
+    }
+
+    /// Resets the eventfd after the poll fired, so the next wake-up fires it again.
+    pub(crate) fn drain(&self) {
+        let mut n = [0u8; 8];
+        // Nonblocking: EAGAIN when another drain got there first, which is fine.
+        let _ = (&*self.fd).read(&mut n);
+    }
+
+    pub(crate) fn waker(&self) -> Waker {
+        let fd = self.fd.clone();
+        Arc::new(move || {
+            // Fails only when the counter would overflow, i.e. a wake-up is pending.
+            let _ = (&*fd).write(&1u64.to_ne_bytes());
+        })
+    }
+}
+
 /// One queue: `/dev/ublkcN`, its descriptor array mapped read-only, and an io_uring.
 pub struct KernelQueue {
     cdev: File,
@@ -186,6 +233,8 @@ pub struct KernelQueue {
     map_len: usize,
     /// Buffer address of each tag, given again with each commit.
     addrs: Vec<u64>,
+    /// Set by the first [`QueueTransport::waker`] call.
+    wake: Option<RingWake>,
 }
 
 fn page_size() -> usize {
@@ -258,6 +307,7 @@ impl KernelQueue {
             descs: ptr as *const u8,
             map_len,
             addrs: vec![0; depth as usize],
+            wake: None,
         })
     }
 
@@ -272,10 +322,15 @@ impl KernelQueue {
             .cmd(cmd.to_bytes())
             .build()
             .user_data(u64::from(tag));
+        self.push_entry(&sqe)
+    }
+
+    fn push_entry(&mut self, sqe: &squeue::Entry) -> Result<(), UblkError> {
         loop {
-            // SAFETY: the command carries the tag's buffer address, which the queue loop
-            // keeps alive and in place until this queue is dropped (see `serve_queue`).
-            if unsafe { self.ring.submission().push(&sqe) }.is_ok() {
+            // SAFETY: a tag's command carries its buffer address, which the queue loop
+            // keeps alive and in place until this queue is dropped (see `serve_queue`);
+            // the wake-up poll points at the eventfd, which `self.wake` keeps open.
+            if unsafe { self.ring.submission().push(sqe) }.is_ok() {
                 return Ok(());
             }
             self.submit(false)?;
@@ -337,15 +392,50 @@ impl QueueTransport for KernelQueue {
         self.push(sys::IO_COMMIT_AND_FETCH_REQ, tag, result)
     }
 
+    fn waker(&mut self) -> Result<Waker, UblkError> {
+        if let Some(w) = &self.wake {
+            return Ok(w.waker());
+        }
+        let wake = RingWake::new().map_err(|source| UblkError::Io {
+            op: "create the wake-up eventfd of",
+            path: self.path.clone(),
+            source,
+        })?;
+        let (poll, waker) = (wake.poll(), wake.waker());
+        self.wake = Some(wake);
+        self.push_entry(&poll)?;
+        Ok(waker)
+    }
+
     fn wait(&mut self, out: &mut Vec<QueueEvent>) -> Result<(), UblkError> {
         self.submit(true)?;
-        let done: Vec<(u16, i32)> = self
+        let done: Vec<(u64, i32, u32)> = self
             .ring
             .completion()
-            .map(|c| (c.user_data() as u16, c.result()))
+            .map(|c| (c.user_data(), c.result(), c.flags()))
             .collect();
-        for (tag, res) in done {
-            if tag >= self.depth {
+        for (data, res, flags) in done {
+            if data == WAKE {
+                if res < 0 {
+                    return Err(UblkError::Queue {
+                        q_id: self.q_id,
+                        msg: format!(
+                            "wake-up poll failed: {}",
+                            io::Error::from_raw_os_error(-res)
+                        ),
+                    });
+                }
+                if let Some(w) = &self.wake {
+                    w.drain();
+                    if !cqueue::more(flags) {
+                        let poll = w.poll();
+                        self.push_entry(&poll)?;
+                    }
+                }
+                continue;
+            }
+            let tag = data as u16;
+            if data >= u64::from(self.depth) {
                 return Err(UblkError::Queue {
                     q_id: self.q_id,
                     msg: format!("completion for tag {tag} beyond depth {}", self.depth),
@@ -377,5 +467,48 @@ impl Drop for KernelQueue {
         // SAFETY: the mapping was made in `open` with this length and is referenced
         // only through `self.descs`, which dies with `self`.
         unsafe { libc::munmap(self.descs as *mut libc::c_void, self.map_len) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The wake-up path of a queue without a ublk driver: a plain ring blocked in
+    /// `submit_and_wait` returns when another thread wakes it, and the multishot poll
+    /// keeps serving later wake-ups after a drain.
+    #[test]
+    fn ring_wake_ends_a_blocked_wait_and_stays_armed() {
+        let mut ring = IoUring::new(4).unwrap();
+        let wake = RingWake::new().unwrap();
+        // SAFETY: the poll points at the eventfd, which `wake` keeps open past the ring.
+        unsafe { ring.submission().push(&wake.poll()).unwrap() };
+        ring.submit().unwrap();
+        assert!(ring.completion().next().is_none(), "fired with no wake-up");
+        for round in 0..3 {
+            let waker = wake.waker();
+            let t = std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(20));
+                waker();
+                waker();
+            });
+            ring.submit_and_wait(1).unwrap();
+            let cqes: Vec<_> = ring.completion().collect();
+            assert!(!cqes.is_empty(), "round {round}");
+            for c in &cqes {
+                assert_eq!(c.user_data(), WAKE);
+                assert!(c.result() > 0, "round {round}: {}", c.result());
+                assert!(
+                    cqueue::more(c.flags()),
+                    "round {round}: the poll was disarmed"
+                );
+            }
+            t.join().unwrap();
+            wake.drain();
+            // Drained: nothing more until the next wake-up (a late second one may still
+            // have posted; reap it).
+            ring.submit().unwrap();
+            let _ = ring.completion().count();
+        }
     }
 }

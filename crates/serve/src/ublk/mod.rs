@@ -13,7 +13,11 @@
 //!   sector count, flags) becomes one [`BlockDevice`] call and a result (bytes, or
 //!   `-EROFS` for writes to the read-only snapshot, `-EIO` for an engine error, which is
 //!   logged, `-EINVAL` for a request outside the device or an unknown op; FLUSH calls
-//!   [`BlockDevice::flush`]), then "commit and fetch the next request" re-arms the tag;
+//!   [`BlockDevice::flush`]), then "commit and fetch the next request" re-arms the tag.
+//!   The queue thread hands each request to the queue's workers, which wake it through
+//!   the transport's [`Waker`] when done, since the driver takes commits only from the
+//!   queue thread: a queue has as many reads on the disk as it has workers, not the one
+//!   a queue thread answering each request itself would have;
 //! * [`UblkTransport`] / [`QueueTransport`] are the kernel side: device add / set
 //!   params / start / stop / delete on `/dev/ublk-control`, and per queue the
 //!   fetch / commit-and-fetch commands on `/dev/ublkcN`. [`KernelTransport`] implements
@@ -49,10 +53,14 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, mpsc};
 use std::thread::JoinHandle;
 
-use engine::{AlignedBuf, BlockDevice};
+use engine::{AlignedBuf, BlockDevice, Readahead, ReadaheadOptions};
+
+use crate::DevReadahead;
 
 pub use kernel::KernelTransport;
-pub use queue::{IoDesc, IoOp, QueueCore, QueueEvent, QueueStats, QueueTransport, run_queue};
+pub use queue::{
+    IoDesc, IoOp, QueueCore, QueueEvent, QueueStats, QueueTransport, Waker, run_queue,
+};
 
 pub const SECTOR_SHIFT: u32 = 9;
 
@@ -83,7 +91,7 @@ pub enum UblkError {
 }
 
 /// How to expose the device.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct UblkOptions {
     /// Hardware queues, each served by its own thread; 0: one per CPU.
     pub queues: u16,
@@ -93,6 +101,14 @@ pub struct UblkOptions {
     pub max_io_bytes: u32,
     /// 4096 or 512.
     pub logical_block_size: u32,
+    /// Requests served at once, over all queues (each queue gets its share, at least
+    /// one); 0 answers each request on its queue thread, one at a time.
+    pub workers: usize,
+    /// Read ahead of sequential streams (a reader with one direct request at a time
+    /// waits for each before it sends the next); `None` disables it.
+    pub readahead: Option<ReadaheadOptions>,
+    /// Where the time of each READ, from its arrival to its commit, is recorded.
+    pub latency: Arc<trace::Histogram>,
 }
 
 impl Default for UblkOptions {
@@ -102,6 +118,9 @@ impl Default for UblkOptions {
             depth: 64,
             max_io_bytes: 1 << 20,
             logical_block_size: 4096,
+            workers: 16,
+            readahead: Some(ReadaheadOptions::default()),
+            latency: Arc::default(),
         }
     }
 }
@@ -232,6 +251,11 @@ pub struct UblkDevice<T: UblkTransport> {
     params: DeviceParams,
     queues: Vec<JoinHandle<Result<QueueStats, UblkError>>>,
     running: Arc<AtomicUsize>,
+    /// What every queue reads through; `None` when the options ask for no read-ahead.
+    readahead: Option<Arc<DevReadahead>>,
+    /// Workers per queue.
+    workers: usize,
+    latency: Arc<trace::Histogram>,
     /// Added and not yet deleted: dropping the device must tear it down.
     added: bool,
 }
@@ -254,12 +278,31 @@ impl<T: UblkTransport> UblkDevice<T> {
             params,
             queues: Vec::new(),
             running: Arc::new(AtomicUsize::new(0)),
+            readahead: None,
+            workers: match opts.workers {
+                0 => 0,
+                n => n.div_ceil(usize::from(params.queues)),
+            },
+            latency: opts.latency.clone(),
             added: true,
         };
         if let Err(e) = d.transport.set_params(&params) {
             d.added = false;
             let _ = d.transport.delete_device();
             return Err(e);
+        }
+        if let Some(o) = &opts.readahead {
+            match Readahead::new(dev.clone(), o.clone()) {
+                Ok(r) => d.readahead = Some(Arc::new(r)),
+                Err(source) => {
+                    let path = d.block_path();
+                    return Err(d.abort(UblkError::Io {
+                        op: "start the read-ahead threads of",
+                        path,
+                        source,
+                    }));
+                }
+            }
         }
         let (ready_tx, ready_rx) = mpsc::channel();
         for q_id in 0..params.queues {
@@ -297,11 +340,28 @@ impl<T: UblkTransport> UblkDevice<T> {
         let transport = self.transport.clone();
         let params = self.params;
         let running = self.running.clone();
+        let readahead = self.readahead.clone();
+        let workers = self.workers;
+        let latency = self.latency.clone();
         running.fetch_add(1, Ordering::SeqCst);
         let spawned = std::thread::Builder::new()
             .name(format!("ublk-q{q_id}"))
             .spawn(move || {
-                let r = serve_queue(&*dev, &*transport, q_id, &params, &ready);
+                let served: &dyn BlockDevice = match &readahead {
+                    Some(ra) => &**ra,
+                    None => &*dev,
+                };
+                let mut core = QueueCore::new(
+                    served,
+                    q_id,
+                    params.dev_sectors,
+                    params.max_io_bytes as usize,
+                )
+                .with_latency(latency);
+                if let Some(ra) = &readahead {
+                    core = core.with_queued(ra.queued());
+                }
+                let r = serve_queue(&core, &*transport, q_id, &params, workers, &ready);
                 // Unblocks start() if the queue failed before it was armed.
                 let _ = ready.send(false);
                 running.fetch_sub(1, Ordering::SeqCst);
@@ -400,10 +460,11 @@ impl<T: UblkTransport> Drop for UblkDevice<T> {
 
 /// One queue thread: open the queue, allocate the tag buffers, run until aborted.
 fn serve_queue<T: UblkTransport>(
-    dev: &dyn BlockDevice,
+    core: &QueueCore<'_>,
     transport: &T,
     q_id: u16,
     params: &DeviceParams,
+    workers: usize,
     ready: &mpsc::Sender<bool>,
 ) -> Result<QueueStats, UblkError> {
     let max_io = params.max_io_bytes as usize;
@@ -411,8 +472,7 @@ fn serve_queue<T: UblkTransport>(
     // buffer until the queue's commands are gone.
     let mut bufs: Vec<AlignedBuf> = (0..params.depth).map(|_| AlignedBuf::new(max_io)).collect();
     let mut queue = transport.open_queue(q_id)?;
-    let mut core = QueueCore::new(dev, q_id, params.dev_sectors, max_io);
-    run_queue(&mut core, &mut queue, &mut bufs, || {
+    run_queue(core, &mut queue, &mut bufs, workers, || {
         let _ = ready.send(true);
     })
 }

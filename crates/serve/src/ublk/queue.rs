@@ -1,6 +1,10 @@
 //! The transport-free part of a ublk queue: turn one I/O descriptor into a
 //! [`BlockDevice`] call, and the fetch → handle → commit-and-fetch loop over a
-//! [`QueueTransport`].
+//! [`QueueTransport`], with the requests of a queue served concurrently by its workers.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use engine::{AlignedBuf, BlockDevice, EngineError};
 
@@ -102,10 +106,18 @@ pub trait QueueTransport {
     /// tag with the same buffer for its next request.
     fn commit_and_fetch(&mut self, tag: u16, result: i32, buf: &mut [u8]) -> Result<(), UblkError>;
 
-    /// Blocks until at least one event, pending commits submitted first, and appends the
-    /// events to `out`.
+    /// A handle that makes [`wait`](Self::wait) return, from any thread: blocked now, or
+    /// at once when called next. Workers call it when they have finished requests for
+    /// the queue thread to commit (the driver takes commits only from that thread).
+    fn waker(&mut self) -> Result<Waker, UblkError>;
+
+    /// Blocks until at least one event or a wake-up, pending commits submitted first,
+    /// and appends the events to `out` (none after a mere wake-up).
     fn wait(&mut self, out: &mut Vec<QueueEvent>) -> Result<(), UblkError>;
 }
+
+/// Wakes a queue thread from [`QueueTransport::wait`]; see [`QueueTransport::waker`].
+pub type Waker = Arc<dyn Fn() + Send + Sync>;
 
 /// Counters of one queue.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -130,7 +142,16 @@ impl QueueStats {
 /// under a busy queue would otherwise drown the log.
 const LOGGED_ERRORS: u64 = 16;
 
-/// Answers descriptors of one queue from a [`BlockDevice`].
+#[derive(Default)]
+struct Counters {
+    reads: AtomicU64,
+    read_bytes: AtomicU64,
+    flushes: AtomicU64,
+    errors: AtomicU64,
+}
+
+/// Answers descriptors of one queue from a [`BlockDevice`]; shared by the queue's
+/// workers.
 pub struct QueueCore<'d> {
     dev: &'d dyn BlockDevice,
     q_id: u16,
@@ -140,7 +161,12 @@ pub struct QueueCore<'d> {
     size: u64,
     max_io_bytes: usize,
     read_only: bool,
-    stats: QueueStats,
+    stats: Counters,
+    /// Where each READ's time from its arrival to its commit is recorded.
+    latency: Option<Arc<trace::Histogram>>,
+    /// Requests handed to the workers and not yet started, for a read-ahead in `dev` to
+    /// see how deep the queue is (see [`engine::Readahead::queued`]).
+    queued: Option<&'d AtomicUsize>,
 }
 
 impl<'d> QueueCore<'d> {
@@ -157,28 +183,48 @@ impl<'d> QueueCore<'d> {
             size: dev.size(),
             max_io_bytes,
             read_only: dev.is_read_only(),
-            stats: QueueStats::default(),
+            stats: Counters::default(),
+            latency: None,
+            queued: None,
         }
     }
 
+    /// Records the time of each READ, from its arrival to its commit, in `h`.
+    pub fn with_latency(mut self, h: Arc<trace::Histogram>) -> QueueCore<'d> {
+        self.latency = Some(h);
+        self
+    }
+
+    /// Counts the requests waiting for a worker in `queued`.
+    pub fn with_queued(mut self, queued: &'d AtomicUsize) -> QueueCore<'d> {
+        self.queued = Some(queued);
+        self
+    }
+
     pub fn stats(&self) -> QueueStats {
-        self.stats
+        let n = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        QueueStats {
+            reads: n(&self.stats.reads),
+            read_bytes: n(&self.stats.read_bytes),
+            flushes: n(&self.stats.flushes),
+            errors: n(&self.stats.errors),
+        }
     }
 
     /// Executes `desc` against the device with `buf` as the tag's data buffer. Returns
     /// what is committed: bytes transferred or `-errno`.
-    pub fn handle(&mut self, desc: &IoDesc, buf: &mut [u8]) -> i32 {
+    pub fn handle(&self, desc: &IoDesc, buf: &mut [u8]) -> i32 {
         let r = self.execute(desc, buf);
         if r < 0 {
-            self.stats.errors += 1;
+            self.stats.errors.fetch_add(1, Ordering::Relaxed);
         }
         r
     }
 
-    fn execute(&mut self, desc: &IoDesc, buf: &mut [u8]) -> i32 {
+    fn execute(&self, desc: &IoDesc, buf: &mut [u8]) -> i32 {
         let op = desc.op();
         if op == IoOp::Flush {
-            self.stats.flushes += 1;
+            self.stats.flushes.fetch_add(1, Ordering::Relaxed);
             return match self.dev.flush() {
                 Ok(()) => 0,
                 Err(e) => self.engine_error(desc, &e),
@@ -210,8 +256,10 @@ impl<'d> QueueCore<'d> {
                 {
                     return self.engine_error(desc, &e);
                 }
-                self.stats.reads += 1;
-                self.stats.read_bytes += len as u64;
+                self.stats.reads.fetch_add(1, Ordering::Relaxed);
+                self.stats
+                    .read_bytes
+                    .fetch_add(len as u64, Ordering::Relaxed);
                 done
             }
             _ if self.read_only => -libc::EROFS,
@@ -228,13 +276,14 @@ impl<'d> QueueCore<'d> {
         }
     }
 
-    fn engine_error(&mut self, desc: &IoDesc, e: &EngineError) -> i32 {
+    fn engine_error(&self, desc: &IoDesc, e: &EngineError) -> i32 {
         let errno = match e {
             EngineError::ReadOnly { .. } => libc::EROFS,
             EngineError::OutOfRange { .. } => libc::EINVAL,
             _ => libc::EIO,
         };
-        if self.stats.errors < LOGGED_ERRORS {
+        let errors = self.stats.errors.load(Ordering::Relaxed);
+        if errors < LOGGED_ERRORS {
             eprintln!(
                 "vabc serve: ublk queue {}: {:?} of {} sectors at sector {} failed: {e}",
                 self.q_id,
@@ -242,7 +291,7 @@ impl<'d> QueueCore<'d> {
                 desc.nr_sectors,
                 desc.start_sector
             );
-        } else if self.stats.errors == LOGGED_ERRORS {
+        } else if errors == LOGGED_ERRORS {
             eprintln!(
                 "vabc serve: ublk queue {}: further I/O errors are not logged",
                 self.q_id
@@ -250,31 +299,145 @@ impl<'d> QueueCore<'d> {
         }
         -errno
     }
+
+    /// Records a committed request's time if it was a READ.
+    fn committed(&self, desc: &IoDesc, received: Instant) {
+        if let Some(h) = &self.latency
+            && desc.op() == IoOp::Read
+        {
+            h.record_since(received);
+        }
+    }
+}
+
+/// A request on its way to a worker: the tag's buffer travels with it and comes back
+/// with the result. Moving an [`AlignedBuf`] moves no bytes, so the address the driver
+/// was given for the tag stays valid.
+struct Job {
+    tag: u16,
+    desc: IoDesc,
+    buf: AlignedBuf,
+    received: Instant,
+    result: i32,
+}
+
+/// Requests the workers have finished, waiting for the queue thread to commit them.
+struct Finished {
+    jobs: Mutex<Vec<Job>>,
+    wake: Waker,
+}
+
+impl Finished {
+    fn push(&self, job: Job) {
+        let mut jobs = self.jobs.lock().unwrap_or_else(|p| p.into_inner());
+        let first = jobs.is_empty();
+        jobs.push(job);
+        drop(jobs);
+        // Only the first needs a wake-up: the queue thread takes them all at once, and
+        // until it has, a non-empty list means a wake-up is on its way.
+        if first {
+            (self.wake)();
+        }
+    }
+
+    fn take_into(&self, out: &mut Vec<Job>) {
+        let mut jobs = self.jobs.lock().unwrap_or_else(|p| p.into_inner());
+        std::mem::swap(&mut *jobs, out);
+    }
 }
 
 /// Runs one queue until the transport aborts every tag: arms all `depth` tags, then
-/// answers each request and re-arms its tag in the same step. Requests of one queue are
-/// served one after another on this thread; parallelism comes from one queue per CPU
-/// (blk-mq maps each CPU to a queue), as snapuserd's ublk server runs one queue per
-/// read worker.
+/// hands each request to one of `workers` threads and commits its result, re-arming the
+/// tag in the same step, once the worker is done. Requests of one queue are served
+/// concurrently, many reading the disk at once as the FUSE and NBD frontends do. With
+/// `workers == 0` each request is answered on this thread before the next is looked at
+/// (one read on the disk per queue).
 ///
 /// `armed` is called once every tag has been handed to the transport: the driver's
 /// `START_DEV` waits for that on every queue.
 pub fn run_queue<T: QueueTransport>(
-    core: &mut QueueCore<'_>,
+    core: &QueueCore<'_>,
     transport: &mut T,
     bufs: &mut [AlignedBuf],
+    workers: usize,
     armed: impl FnOnce(),
 ) -> Result<QueueStats, UblkError> {
-    let depth = bufs.len();
+    let finished = match workers {
+        0 => None,
+        _ => Some(Finished {
+            jobs: Mutex::new(Vec::with_capacity(bufs.len())),
+            wake: transport.waker()?,
+        }),
+    };
     let max_io = core.max_io_bytes;
     for (tag, buf) in bufs.iter_mut().enumerate() {
         transport.fetch(tag as u16, buf.slice_mut(max_io))?;
     }
     armed();
-    let mut tag_live = vec![true; depth];
+    let Some(finished) = finished else {
+        return serve_tags(core, transport, bufs, None);
+    };
+    let (tx, rx) = crossbeam_channel::bounded::<Job>(bufs.len());
+    std::thread::scope(|s| {
+        for i in 0..workers {
+            let rx = rx.clone();
+            let finished = &finished;
+            let spawned = std::thread::Builder::new()
+                .name(format!("ublk-q{}-{i}", core.q_id))
+                .spawn_scoped(s, move || {
+                    while let Ok(mut job) = rx.recv() {
+                        if let Some(q) = core.queued {
+                            q.fetch_sub(1, Ordering::Relaxed);
+                        }
+                        job.result = core.handle(&job.desc, job.buf.slice_mut(max_io));
+                        finished.push(job);
+                    }
+                });
+            if let Err(e) = spawned {
+                // The workers already started end when `tx` is dropped.
+                return Err(UblkError::Queue {
+                    q_id: core.q_id,
+                    msg: format!("cannot start worker thread: {e}"),
+                });
+            }
+        }
+        drop(rx);
+        // Returning ends the workers (their channel closes); the scope waits for them,
+        // so a request still running finishes before its buffer is dropped.
+        serve_tags(core, transport, bufs, Some((tx, &finished)))
+    })
+}
+
+/// A tag between fetch and abort.
+#[derive(Clone, Copy, Default)]
+struct Tag {
+    live: bool,
+    /// Handed to a worker, not yet committed.
+    busy: bool,
+    /// Aborted while busy: dead once committed.
+    aborted: bool,
+}
+
+/// The loop of [`run_queue`] once the tags are armed: with `pool`, requests go to the
+/// workers and come back through its [`Finished`] list; without, they are answered here.
+fn serve_tags<T: QueueTransport>(
+    core: &QueueCore<'_>,
+    transport: &mut T,
+    bufs: &mut [AlignedBuf],
+    pool: Option<(crossbeam_channel::Sender<Job>, &Finished)>,
+) -> Result<QueueStats, UblkError> {
+    let depth = bufs.len();
+    let max_io = core.max_io_bytes;
+    let mut tags = vec![
+        Tag {
+            live: true,
+            ..Tag::default()
+        };
+        depth
+    ];
     let mut live = depth;
     let mut events = Vec::with_capacity(depth);
+    let mut done = Vec::with_capacity(depth);
     while live > 0 {
         events.clear();
         transport.wait(&mut events)?;
@@ -282,23 +445,71 @@ pub fn run_queue<T: QueueTransport>(
             match *ev {
                 QueueEvent::Request { tag, desc } => {
                     let t = tag as usize;
-                    if !tag_live.get(t).copied().unwrap_or(false) {
+                    if tags.get(t).is_none_or(|s| !s.live || s.busy) {
                         return Err(UblkError::Queue {
                             q_id: core.q_id,
                             msg: format!("request on tag {tag}, which is not armed"),
                         });
                     }
-                    let buf = bufs[t].slice_mut(max_io);
-                    let result = core.handle(&desc, buf);
-                    transport.commit_and_fetch(tag, result, buf)?;
+                    let received = Instant::now();
+                    match &pool {
+                        Some((tx, _)) => {
+                            tags[t].busy = true;
+                            if let Some(q) = core.queued {
+                                q.fetch_add(1, Ordering::Relaxed);
+                            }
+                            let job = Job {
+                                tag,
+                                desc,
+                                buf: std::mem::take(&mut bufs[t]),
+                                received,
+                                result: 0,
+                            };
+                            // Never blocks: the channel has a slot per tag.
+                            if tx.send(job).is_err() {
+                                return Err(UblkError::Queue {
+                                    q_id: core.q_id,
+                                    msg: "the workers are gone".into(),
+                                });
+                            }
+                        }
+                        None => {
+                            let buf = bufs[t].slice_mut(max_io);
+                            let result = core.handle(&desc, buf);
+                            core.committed(&desc, received);
+                            transport.commit_and_fetch(tag, result, buf)?;
+                        }
+                    }
                 }
                 QueueEvent::Aborted { tag } => {
                     let t = tag as usize;
-                    if tag_live.get(t).copied().unwrap_or(false) {
-                        tag_live[t] = false;
-                        live -= 1;
+                    match tags.get_mut(t) {
+                        // The driver aborts a tag only once its request is committed; a
+                        // transport that reports it earlier gets the commit first.
+                        Some(s) if s.live && s.busy => s.aborted = true,
+                        Some(s) if s.live => {
+                            s.live = false;
+                            live -= 1;
+                        }
+                        _ => {}
                     }
                 }
+            }
+        }
+        let Some((_, finished)) = &pool else {
+            continue;
+        };
+        finished.take_into(&mut done);
+        for job in done.drain(..) {
+            let t = job.tag as usize;
+            bufs[t] = job.buf;
+            core.committed(&job.desc, job.received);
+            transport.commit_and_fetch(job.tag, job.result, bufs[t].slice_mut(max_io))?;
+            let s = &mut tags[t];
+            s.busy = false;
+            if s.aborted {
+                s.live = false;
+                live -= 1;
             }
         }
     }

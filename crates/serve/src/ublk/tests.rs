@@ -123,7 +123,7 @@ fn reads_at_any_sector_match_the_image() {
     let want = expected();
     for cow in ["v3_lz4_65536.cow", "v2_zstd_4096.cow", "v3_none_4096.cow"] {
         let dev = cow_engine(cow);
-        let mut core = core_for(&*dev);
+        let core = core_for(&*dev);
         let mut buf = AlignedBuf::new(MIB);
         let buf = buf.slice_mut(MIB);
         let sectors = (want.len() / 512) as u64;
@@ -169,7 +169,7 @@ fn last_partial_block_reads_with_zero_padding() {
     let params = DeviceParams::new(size as u64, true, &UblkOptions::default(), 2).unwrap();
     assert_eq!(params.dev_sectors, (size as u64).div_ceil(512));
     assert_eq!(params.logical_bs_shift, 9, "4K blocks would hide the tail");
-    let mut core = QueueCore::new(&dev, 0, params.dev_sectors, MIB);
+    let core = QueueCore::new(&dev, 0, params.dev_sectors, MIB);
     let mut buf = vec![0xa5u8; MIB];
     let last = params.dev_sectors - 1;
     for (start, n) in [(last, 1), (last - 7, 8), (params.dev_sectors - 2048, 2048)] {
@@ -200,7 +200,7 @@ fn writes_are_refused_and_nothing_is_written() {
     let path = tmp.path().join("dev.img");
     std::fs::write(&path, &want).unwrap();
     let probe = Probe::new(Arc::new(FileDevice::open(&path, false).unwrap()));
-    let mut core = core_for(&probe);
+    let core = core_for(&probe);
     let mut buf = vec![0x5au8; MIB];
     for op in [
         IoOp::Write,
@@ -221,7 +221,7 @@ fn writes_are_refused_and_nothing_is_written() {
     // A device that claims to be writable but refuses anyway: still EROFS, via the
     // engine's error.
     let refusing = RefusingWritable(Arc::new(FileDevice::open(&path, false).unwrap()));
-    let mut core = core_for(&refusing);
+    let core = core_for(&refusing);
     assert_eq!(
         core.handle(&IoDesc::new(IoOp::Write, 0, 0, 8), &mut buf),
         -libc::EROFS
@@ -229,7 +229,7 @@ fn writes_are_refused_and_nothing_is_written() {
     // A writable device gets the write, with the full length reported.
     let mut w = Probe::new(Arc::new(FileDevice::open(&path, false).unwrap()));
     w.writable = true;
-    let mut core = core_for(&w);
+    let core = core_for(&w);
     assert_eq!(
         core.handle(&IoDesc::new(IoOp::Write, 0, 0, 8), &mut buf),
         4096
@@ -259,7 +259,7 @@ fn out_of_range_and_unknown_ops_are_einval() {
     let dev = cow_engine("v3_lz4_65536.cow");
     let probe = Probe::new(dev);
     let sectors = probe.size() / 512;
-    let mut core = core_for(&probe);
+    let core = core_for(&probe);
     let mut buf = vec![0u8; MIB];
     for desc in [
         read(sectors, 1),
@@ -284,7 +284,7 @@ fn out_of_range_and_unknown_ops_are_einval() {
 fn engine_errors_are_eio_and_flush_reaches_the_device() {
     let mut probe = Probe::new(cow_engine("v3_lz4_65536.cow"));
     probe.fail_reads = true;
-    let mut core = core_for(&probe);
+    let core = core_for(&probe);
     let mut buf = vec![0u8; MIB];
     assert_eq!(core.handle(&read(8, 8), &mut buf), -libc::EIO);
     assert_eq!(core.handle(&IoDesc::new(IoOp::Flush, 0, 0, 0), &mut buf), 0);
@@ -293,7 +293,7 @@ fn engine_errors_are_eio_and_flush_reaches_the_device() {
     assert_eq!((s.errors, s.flushes, s.reads), (1, 1, 0));
 
     probe.fail_flush = true;
-    let mut core = core_for(&probe);
+    let core = core_for(&probe);
     assert_eq!(
         core.handle(&IoDesc::new(IoOp::Flush, 0, 0, 0), &mut buf),
         -libc::EIO
@@ -307,6 +307,9 @@ fn engine_errors_are_eio_and_flush_reaches_the_device() {
 
 /// A single queue fed from a script: each `wait` returns the next batch; when the script
 /// is done every armed tag is aborted, as the driver does on STOP_DEV.
+///
+/// With workers, a batch is delivered only once its tags are committed (as the driver
+/// reuses a tag only after its commit); until then `wait` blocks for a wake-up.
 struct ScriptQueue {
     batches: VecDeque<Vec<QueueEvent>>,
     fetched: Vec<bool>,
@@ -314,6 +317,8 @@ struct ScriptQueue {
     addrs: Vec<usize>,
     commits: Vec<(u16, i32, Vec<u8>)>,
     stopped: bool,
+    wake_tx: Sender<()>,
+    wake_rx: Receiver<()>,
 }
 
 impl ScriptQueue {
@@ -325,7 +330,16 @@ impl ScriptQueue {
             addrs: vec![0; depth],
             commits: Vec::new(),
             stopped: false,
+            wake_tx: unbounded().0,
+            wake_rx: unbounded().1,
         }
+    }
+
+    /// Blocks until a worker wakes the queue thread.
+    fn wait_for_wake(&self) {
+        self.wake_rx
+            .recv_timeout(std::time::Duration::from_secs(30))
+            .expect("no wake-up: a finished request was never reported");
     }
 }
 
@@ -346,11 +360,30 @@ impl QueueTransport for ScriptQueue {
         self.commits.push((tag, result, buf[..n].to_vec()));
         Ok(())
     }
+    fn waker(&mut self) -> Result<Waker, UblkError> {
+        let (tx, rx) = unbounded();
+        (self.wake_tx, self.wake_rx) = (tx.clone(), rx);
+        Ok(Arc::new(move || {
+            let _ = tx.send(());
+        }))
+    }
     fn wait(&mut self, out: &mut Vec<QueueEvent>) -> Result<(), UblkError> {
         assert!(
             self.fetched.iter().all(|&f| f),
             "waited before arming all tags"
         );
+        let next_free = self.batches.front().map(|b| {
+            b.iter().all(|ev| match ev {
+                QueueEvent::Request { tag, .. } => {
+                    !self.busy.get(*tag as usize).copied().unwrap_or(false)
+                }
+                QueueEvent::Aborted { .. } => true,
+            })
+        });
+        if next_free == Some(false) || (next_free.is_none() && self.busy.contains(&true)) {
+            self.wait_for_wake();
+            return Ok(());
+        }
         match self.batches.pop_front() {
             Some(batch) => {
                 for ev in &batch {
@@ -380,55 +413,69 @@ fn queue_loop_with_every_tag_in_flight() {
     let want = expected();
     let dev = cow_engine("v3_zstd_16384.cow");
     let depth = 64;
-    let mut rng = Rng(99);
-    let sectors = want.len() as u64 / 512;
-    let mut batches = Vec::new();
-    let mut reqs = Vec::new();
-    for round in 0..4 {
-        let mut batch = Vec::new();
-        for tag in 0..depth as u16 {
-            let n = match tag % 4 {
-                0 => 2048,
-                1 => 8,
-                _ => 1 + rng.below(300) as u32,
-            };
-            let start = rng.below(sectors - u64::from(n) + 1);
-            let desc = if round == 3 && tag == 5 {
-                IoDesc::new(IoOp::Write, 0, start, n)
-            } else if round == 3 && tag == 6 {
-                IoDesc::new(IoOp::Flush, 0, 0, 0)
-            } else {
-                read(start, n)
-            };
-            batch.push(QueueEvent::Request { tag, desc });
-            reqs.push((tag, desc));
+    for workers in [0, 1, 8] {
+        let mut rng = Rng(99);
+        let sectors = want.len() as u64 / 512;
+        let mut batches = Vec::new();
+        let mut reqs = Vec::new();
+        for round in 0..4 {
+            let mut batch = Vec::new();
+            for tag in 0..depth as u16 {
+                let n = match tag % 4 {
+                    0 => 2048,
+                    1 => 8,
+                    _ => 1 + rng.below(300) as u32,
+                };
+                let start = rng.below(sectors - u64::from(n) + 1);
+                let desc = if round == 3 && tag == 5 {
+                    IoDesc::new(IoOp::Write, 0, start, n)
+                } else if round == 3 && tag == 6 {
+                    IoDesc::new(IoOp::Flush, 0, 0, 0)
+                } else {
+                    read(start, n)
+                };
+                batch.push(QueueEvent::Request { tag, desc });
+                reqs.push((tag, desc));
+            }
+            batches.push(batch);
         }
-        batches.push(batch);
-    }
-    let mut q = ScriptQueue::new(depth, batches);
-    let mut bufs: Vec<AlignedBuf> = (0..depth).map(|_| AlignedBuf::new(MIB)).collect();
-    let mut core = QueueCore::new(&*dev, 0, sectors, MIB);
-    let mut armed = false;
-    let stats = run_queue(&mut core, &mut q, &mut bufs, || armed = true).unwrap();
-    assert!(armed);
-    assert!(q.stopped);
-    assert_eq!(q.commits.len(), reqs.len());
-    for ((tag, desc), (ctag, res, data)) in reqs.iter().zip(&q.commits) {
-        assert_eq!(tag, ctag);
-        match desc.op() {
-            IoOp::Write => assert_eq!(*res, -libc::EROFS),
-            IoOp::Flush => assert_eq!(*res, 0),
-            _ => {
-                let (off, len) = desc.byte_range().unwrap();
-                assert_eq!(*res, len as i32);
-                let off = off as usize;
-                assert!(data[..] == want[off..off + len], "tag {tag} {desc:?}");
+        let mut q = ScriptQueue::new(depth, batches);
+        let mut bufs: Vec<AlignedBuf> = (0..depth).map(|_| AlignedBuf::new(MIB)).collect();
+        let latency = Arc::new(trace::Histogram::default());
+        let core = QueueCore::new(&*dev, 0, sectors, MIB).with_latency(latency.clone());
+        let mut armed = false;
+        let stats = run_queue(&core, &mut q, &mut bufs, workers, || armed = true).unwrap();
+        assert!(armed);
+        assert!(q.stopped);
+        assert_eq!(q.commits.len(), reqs.len());
+        // Without workers, commits come in request order; with them, each round's in
+        // any order (a round's tags are all reused by the next).
+        let mut commits = q.commits.clone();
+        if workers > 0 {
+            for round in commits.chunks_mut(depth) {
+                round.sort_by_key(|c| c.0);
             }
         }
+        for ((tag, desc), (ctag, res, data)) in reqs.iter().zip(&commits) {
+            assert_eq!(tag, ctag, "workers {workers}");
+            match desc.op() {
+                IoOp::Write => assert_eq!(*res, -libc::EROFS),
+                IoOp::Flush => assert_eq!(*res, 0),
+                _ => {
+                    let (off, len) = desc.byte_range().unwrap();
+                    assert_eq!(*res, len as i32);
+                    let off = off as usize;
+                    assert!(data[..] == want[off..off + len], "tag {tag} {desc:?}");
+                }
+            }
+        }
+        assert_eq!(stats.reads, 4 * 64 - 2);
+        assert_eq!(stats.flushes, 1);
+        assert_eq!(stats.errors, 1);
+        assert_eq!(latency.snapshot().count, 4 * 64 - 2, "one time per READ");
+        // Every buffer came back to its tag.
+        assert!(bufs.iter().all(|b| b.capacity() >= MIB));
     }
-    assert_eq!(stats.reads, 4 * 64 - 2);
-    assert_eq!(stats.flushes, 1);
-    assert_eq!(stats.errors, 1);
 }
 
 #[test]
@@ -443,8 +490,8 @@ fn request_on_an_unarmed_tag_is_a_protocol_error() {
     );
     q.busy.resize(10, false);
     let mut bufs: Vec<AlignedBuf> = (0..4).map(|_| AlignedBuf::new(MIB)).collect();
-    let mut core = core_for(&*dev);
-    let err = run_queue(&mut core, &mut q, &mut bufs, || {}).unwrap_err();
+    let core = core_for(&*dev);
+    let err = run_queue(&core, &mut q, &mut bufs, 2, || {}).unwrap_err();
     assert!(err.to_string().contains("tag 9"), "{err}");
 }
 
@@ -453,6 +500,7 @@ fn request_on_an_unarmed_tag_is_a_protocol_error() {
 enum Cmd {
     Req(u16, IoDesc),
     Stop,
+    Wake,
 }
 
 struct Completion {
@@ -498,6 +546,8 @@ impl FakeTransport {
 struct FakeQueue {
     q_id: u16,
     rx: Receiver<Cmd>,
+    /// Into `rx`, for the waker.
+    tx: Sender<Cmd>,
     done: Sender<Completion>,
     fetched: Vec<bool>,
     busy: Vec<bool>,
@@ -527,6 +577,7 @@ impl UblkTransport for FakeTransport {
         Ok(FakeQueue {
             q_id,
             rx,
+            tx: self.queue_tx[q_id as usize].clone(),
             done: self.done_tx.clone(),
             fetched: vec![false; depth],
             busy: vec![false; depth],
@@ -568,8 +619,18 @@ impl QueueTransport for FakeQueue {
             .unwrap();
         Ok(())
     }
+    fn waker(&mut self) -> Result<Waker, UblkError> {
+        let tx = self.tx.clone();
+        Ok(Arc::new(move || {
+            let _ = tx.send(Cmd::Wake);
+        }))
+    }
     fn wait(&mut self, out: &mut Vec<QueueEvent>) -> Result<(), UblkError> {
-        assert!(!self.stopping, "waited after all tags were aborted");
+        // After the abort, only requests still running may be waited for.
+        assert!(
+            !self.stopping || self.busy.contains(&true),
+            "waited after all tags were aborted"
+        );
         // Everything queued so far, at least one: the driver completes many tags per
         // io_uring_enter.
         let first = self.rx.recv().unwrap();
@@ -581,6 +642,7 @@ impl QueueTransport for FakeQueue {
                     assert!(!std::mem::replace(&mut self.busy[tag as usize], true));
                     out.push(QueueEvent::Request { tag, desc });
                 }
+                Cmd::Wake => {}
                 Cmd::Stop => {
                     // Requests already dispatched are answered before the idle tags are
                     // aborted; busy tags are aborted after their commit.
@@ -859,6 +921,7 @@ fn params_for_odd_sizes_and_options() {
             queues: 3,
             depth: 128,
             max_io_bytes: 256 << 10,
+            ..UblkOptions::default()
         },
         64,
     )
@@ -955,5 +1018,129 @@ fn dropping_a_running_device_tears_it_down() {
     assert_eq!(
         *t.log.lock().unwrap(),
         ["add", "set_params", "start", "stop", "delete"]
+    );
+}
+
+/// A device whose reads each wait, up to `patience`, until `want` reads have been
+/// inside it at once; it records the most it saw.
+struct Rendezvous {
+    inner: Arc<dyn BlockDevice>,
+    want: usize,
+    patience: std::time::Duration,
+    /// (reads inside now, most inside at once)
+    inside: Mutex<(usize, usize)>,
+    cv: std::sync::Condvar,
+}
+
+impl BlockDevice for Rendezvous {
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> engine::Result<()> {
+        let mut g = self.inside.lock().unwrap();
+        g.0 += 1;
+        g.1 = g.1.max(g.0);
+        self.cv.notify_all();
+        let (mut g, _) = self
+            .cv
+            .wait_timeout_while(g, self.patience, |g| g.1 < self.want)
+            .unwrap();
+        g.0 -= 1;
+        drop(g);
+        self.inner.read_at(buf, offset)
+    }
+    fn is_read_only(&self) -> bool {
+        true
+    }
+}
+
+/// The requests of one queue are served at once by its workers, not one after another:
+/// eight requests on eight tags are all inside the device together. Without workers
+/// (the old one-at-a-time queue loop) only one ever is.
+#[test]
+fn a_queue_serves_its_requests_concurrently() {
+    let want = expected();
+    for (workers, patience_ms, expect_inside) in [(8, 10_000, 8), (0, 30, 1)] {
+        let dev = Arc::new(Rendezvous {
+            inner: cow_engine("v3_lz4_65536.cow"),
+            want: 8,
+            patience: std::time::Duration::from_millis(patience_ms),
+            inside: Mutex::new((0, 0)),
+            cv: std::sync::Condvar::new(),
+        });
+        let (t, txs, done) = FakeTransport::new(1);
+        let opts = UblkOptions {
+            queues: 1,
+            depth: 8,
+            workers,
+            readahead: None,
+            ..UblkOptions::default()
+        };
+        let d = UblkDevice::start(dev.clone(), t, &opts).unwrap();
+        for tag in 0..8u16 {
+            txs[0]
+                .send(Cmd::Req(tag, read(u64::from(tag) * 1000, 8)))
+                .unwrap();
+        }
+        for _ in 0..8 {
+            let c = done
+                .recv_timeout(std::time::Duration::from_secs(30))
+                .unwrap();
+            let off = usize::from(c.tag) * 1000 * 512;
+            assert_eq!(c.result, 4096);
+            assert!(c.data == want[off..off + 4096], "tag {}", c.tag);
+        }
+        assert_eq!(d.stop().unwrap().reads, 8);
+        assert_eq!(
+            dev.inside.lock().unwrap().1,
+            expect_inside,
+            "workers {workers}"
+        );
+    }
+}
+
+/// A stream of direct reads at queue depth 1 (what `dd iflag=direct` sends to the block
+/// device) goes through the read-ahead: most requests are answered from chunks read
+/// ahead. Every READ's time is recorded.
+#[test]
+fn a_sequential_stream_is_read_ahead_and_every_read_is_timed() {
+    let want = expected();
+    let (t, txs, done) = FakeTransport::new(1);
+    let ra = Arc::new(engine::ReadaheadStats::default());
+    let latency = Arc::new(trace::Histogram::default());
+    let opts = UblkOptions {
+        queues: 1,
+        depth: 4,
+        readahead: Some(engine::ReadaheadOptions {
+            depth: 1 << 20,
+            chunk: 256 << 10,
+            stats: ra.clone(),
+            ..engine::ReadaheadOptions::default()
+        }),
+        latency: latency.clone(),
+        ..UblkOptions::default()
+    };
+    let d = UblkDevice::start(cow_engine("v3_lz4_65536.cow"), t, &opts).unwrap();
+    let n = 128u32; // 64 KiB
+    let mut reqs = 0u64;
+    for start in (0..want.len() as u64 / 512).step_by(n as usize) {
+        txs[0]
+            .send(Cmd::Req((reqs % 4) as u16, read(start, n)))
+            .unwrap();
+        let c = done
+            .recv_timeout(std::time::Duration::from_secs(30))
+            .unwrap();
+        let off = start as usize * 512;
+        assert_eq!(c.result, 65536);
+        assert!(c.data == want[off..off + 65536], "sector {start}");
+        reqs += 1;
+    }
+    let s = d.stop().unwrap();
+    assert_eq!(s.reads, reqs);
+    assert_eq!(latency.snapshot().count, reqs);
+    let hits = ra.hits.load(Ordering::Relaxed);
+    assert!(
+        ra.chunks.load(Ordering::Relaxed) > 0 && hits > reqs / 2,
+        "{hits} of {reqs} requests from read-ahead chunks"
     );
 }

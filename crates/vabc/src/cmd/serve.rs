@@ -70,7 +70,8 @@ pub struct Args {
     #[arg(long, default_value = "vabc")]
     pub export_name: String,
     /// Requests served at once per frontend (FUSE: threads that each read a
-    /// request from /dev/fuse and answer it; NBD: workers). Over io_uring
+    /// request from /dev/fuse and answer it; NBD: workers; ublk: workers, shared out
+    /// over its queues; 0 for ublk answers each request on its queue thread). Over io_uring
     /// the rings' queue threads answer small reads without blocking, and this
     /// sets the pool for large reads and reads while merging or verifying.
     #[arg(long, default_value_t = 16)]
@@ -250,6 +251,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         engine: engine.clone(),
         fuse: Arc::default(),
         nbd: Arc::default(),
+        ublk: Arc::default(),
         readahead: Arc::default(),
     };
     // One set of read-ahead counters for every frontend's read-ahead.
@@ -292,6 +294,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             let opts = serve::ublk::UblkOptions {
                 queues: args.ublk_queues,
                 depth: args.ublk_depth,
+                workers: args.workers,
+                readahead: readahead.clone(),
+                latency: stats.ublk.clone(),
                 ..Default::default()
             };
             let d = serve::ublk::UblkDevice::start(dev.clone(), t, &opts)?;
@@ -444,13 +449,18 @@ struct Stats {
     engine: Arc<CowEngine>,
     fuse: Arc<trace::Histogram>,
     nbd: Arc<trace::Histogram>,
+    ublk: Arc<trace::Histogram>,
     readahead: Arc<engine::ReadaheadStats>,
 }
 
 impl Stats {
     /// To stderr: a client may have closed our stdout after "ready".
     fn print(&self) {
-        for (what, h) in [("FUSE READs", &self.fuse), ("NBD READs", &self.nbd)] {
+        for (what, h) in [
+            ("FUSE READs", &self.fuse),
+            ("NBD READs", &self.nbd),
+            ("ublk READs", &self.ublk),
+        ] {
             let s = h.snapshot();
             if s.count > 0 {
                 eprintln!("vabc serve: stats: {what} (arrival to reply): {s}");
