@@ -30,7 +30,7 @@ use smallvec::SmallVec;
 use crate::cache::UnitCache;
 use crate::error::{EngineError, Result};
 use crate::io::ImageFile;
-use crate::{BLOCK_SIZE, BlockDevice, check_range};
+use crate::{Allocation, BLOCK_SIZE, BlockDevice, check_range, check_range_u64, push_allocation};
 
 mod gather;
 mod plan;
@@ -955,6 +955,43 @@ impl BlockDevice for CowEngine {
                 .time(|| self.verify(v.as_ref(), data, offset, false)),
             _ => Ok(()),
         }
+    }
+
+    /// ZERO ops, and the base file's holes where no op writes, are zeros; the rest is
+    /// data. Static while a merge runs: a merged ZERO op leaves zeros, and the merge
+    /// writes only blocks that ops cover. With a verifier, all of it is data: a client
+    /// skipping a zero run would skip its check.
+    fn allocation(&self, offset: u64, len: u64) -> Result<Vec<Allocation>> {
+        check_range_u64(offset, len, self.size)?;
+        let end = offset + len;
+        let mut runs = Vec::new();
+        if self.verifier.is_some() {
+            push_allocation(&mut runs, len, false);
+            return Ok(runs);
+        }
+        let ops = self.reader.ops();
+        let mut pos = offset;
+        let mut i = self.first_extent(pos / BS);
+        while pos < end {
+            match self.index.get(i) {
+                Some(ext) if ext.start * BS <= pos => {
+                    let run_end = end.min(ext.end() * BS);
+                    let zero = ops[ext.op as usize].kind == OpKind::Zero;
+                    push_allocation(&mut runs, run_end - pos, zero);
+                    pos = run_end;
+                    i += 1;
+                }
+                next => {
+                    // No op: the base as it is, past its end zeros.
+                    let gap_end = next.map_or(end, |e| end.min(e.start * BS));
+                    let base_end = gap_end.min(self.base.size()).max(pos);
+                    self.base.push_allocation(pos, base_end, &mut runs);
+                    push_allocation(&mut runs, gap_end - base_end, true);
+                    pos = gap_end;
+                }
+            }
+        }
+        Ok(runs)
     }
 }
 

@@ -67,6 +67,55 @@ impl ImageFile {
         self.size
     }
 
+    /// Appends `[pos, end)` of the file (inside it) to `runs`: holes as zeros, the rest
+    /// as data (see [`crate::BlockDevice::allocation`]).
+    pub fn push_allocation(&self, mut pos: u64, end: u64, runs: &mut Vec<crate::Allocation>) {
+        while pos < end {
+            let data = self.next_data(pos, end).unwrap_or(end);
+            crate::push_allocation(runs, data - pos, true);
+            let data_end = self.data_end(data, end);
+            crate::push_allocation(runs, data_end - data, false);
+            pos = data_end.max(data);
+        }
+    }
+
+    /// The first byte at or after `pos` and before `end` that the file stores (not a
+    /// hole), or `None`; `lseek(SEEK_DATA)`. Where the file system cannot tell, all of
+    /// it is data.
+    fn next_data(&self, pos: u64, end: u64) -> Option<u64> {
+        match self.seek(pos, libc::SEEK_DATA) {
+            Ok(Some(d)) if d < end => Some(d),
+            Ok(_) => None,
+            Err(_) => Some(pos),
+        }
+    }
+
+    /// The end of the data at `pos` (the next hole, or the end of the file), at most
+    /// `end`; `lseek(SEEK_HOLE)`.
+    fn data_end(&self, pos: u64, end: u64) -> u64 {
+        match self.seek(pos, libc::SEEK_HOLE) {
+            Ok(Some(h)) if h > pos => h.min(end),
+            _ => end,
+        }
+    }
+
+    /// `lseek` from `pos`: `None` for ENXIO (nothing of that kind past `pos`).
+    fn seek(&self, pos: u64, whence: libc::c_int) -> std::io::Result<Option<u64>> {
+        use std::os::fd::AsRawFd;
+        let pos = libc::off_t::try_from(pos).map_err(std::io::Error::other)?;
+        // SAFETY: lseek takes no pointers. It moves the descriptor's offset, which
+        // nothing here uses: every read is positioned (pread, io_uring).
+        let r = unsafe { libc::lseek(self.buffered.as_raw_fd(), pos, whence) };
+        if r >= 0 {
+            return Ok(Some(r as u64));
+        }
+        let e = std::io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::ENXIO) => Ok(None),
+            _ => Err(e),
+        }
+    }
+
     /// Whether aligned reads bypass the page cache.
     pub fn is_direct(&self) -> bool {
         self.direct.is_some()

@@ -96,6 +96,31 @@ pub trait BlockDevice: Send + Sync {
     fn check(&self, _data: &[u8], _offset: u64) -> Result<()> {
         Ok(())
     }
+
+    /// `[offset, offset + len)` as runs that read as zeros with nothing stored for them
+    /// and runs of data, in order, covering the range; for clients that skip zeros (NBD
+    /// block status). "Data" is never wrong, so the default is one run of it.
+    fn allocation(&self, offset: u64, len: u64) -> Result<Vec<Allocation>> {
+        check_range_u64(offset, len, self.size())?;
+        Ok(vec![Allocation { len, zero: false }])
+    }
+}
+
+/// A run of [`BlockDevice::allocation`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Allocation {
+    pub len: u64,
+    /// Every byte reads as zero, and nothing is stored for them.
+    pub zero: bool,
+}
+
+/// Appends a run to `runs`, extending the last one when it is of the same kind.
+pub fn push_allocation(runs: &mut Vec<Allocation>, len: u64, zero: bool) {
+    match runs.last_mut() {
+        _ if len == 0 => {}
+        Some(last) if last.zero == zero => last.len += len,
+        _ => runs.push(Allocation { len, zero }),
+    }
 }
 
 impl<T: BlockDevice + ?Sized> BlockDevice for Arc<T> {
@@ -129,17 +154,21 @@ impl<T: BlockDevice + ?Sized> BlockDevice for Arc<T> {
     fn check(&self, data: &[u8], offset: u64) -> Result<()> {
         (**self).check(data, offset)
     }
+    fn allocation(&self, offset: u64, len: u64) -> Result<Vec<Allocation>> {
+        (**self).allocation(offset, len)
+    }
 }
 
 /// Checks that `[offset, offset + len)` lies inside a device of `size` bytes.
 pub fn check_range(offset: u64, len: usize, size: u64) -> Result<()> {
-    match offset.checked_add(len as u64) {
+    check_range_u64(offset, len as u64, size)
+}
+
+/// [`check_range`] for a length that need not fit in memory.
+pub fn check_range_u64(offset: u64, len: u64, size: u64) -> Result<()> {
+    match offset.checked_add(len) {
         Some(end) if end <= size => Ok(()),
-        _ => Err(EngineError::OutOfRange {
-            offset,
-            len: len as u64,
-            size,
-        }),
+        _ => Err(EngineError::OutOfRange { offset, len, size }),
     }
 }
 
@@ -166,5 +195,12 @@ impl BlockDevice for FileDevice {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         check_range(offset, buf.len(), self.size())?;
         self.file.read_exact_at(buf, offset)
+    }
+
+    fn allocation(&self, offset: u64, len: u64) -> Result<Vec<Allocation>> {
+        check_range_u64(offset, len, self.size())?;
+        let mut runs = Vec::new();
+        self.file.push_allocation(offset, offset + len, &mut runs);
+        Ok(runs)
     }
 }

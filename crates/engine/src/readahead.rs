@@ -510,6 +510,10 @@ impl<D: BlockDevice + 'static> BlockDevice for Readahead<D> {
     fn is_read_only(&self) -> bool {
         self.shared.inner.is_read_only()
     }
+
+    fn allocation(&self, offset: u64, len: u64) -> Result<Vec<crate::Allocation>> {
+        self.shared.inner.allocation(offset, len)
+    }
 }
 
 #[cfg(test)]

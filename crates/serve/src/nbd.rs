@@ -1,7 +1,14 @@
 //! A read-only NBD server (NetworkBlockDevice `doc/proto.md`): fixed newstyle handshake,
-//! `OPT_EXPORT_NAME`/`ABORT`/`LIST`/`INFO`/`GO` (others answered `ERR_UNSUP`, so
-//! clients fall back to simple replies), transmission with `READ`, `FLUSH`, `DISC`;
-//! writes, trims and write-zeroes fail with `EPERM`.
+//! `OPT_EXPORT_NAME`/`ABORT`/`LIST`/`INFO`/`GO`, `OPT_STRUCTURED_REPLY` and
+//! `OPT_LIST`/`SET_META_CONTEXT` for the `base:allocation` context (others answered
+//! `ERR_UNSUP`), transmission with `READ`, `BLOCK_STATUS`, `FLUSH`, `DISC`; writes, trims
+//! and write-zeroes fail with `EPERM`.
+//!
+//! With structured replies, a READ is answered with one `OFFSET_DATA` chunk (or an
+//! `ERROR` chunk). `BLOCK_STATUS` reports [`BlockDevice::allocation`]: ZERO ops and the
+//! base's holes where no op writes come out as `HOLE | ZERO`, which `nbdcopy` and
+//! `qemu-img convert` skip reading and `nbdinfo --map` shows. A verified export reports
+//! all of it as data, since a client skipping a run would skip its check.
 //!
 //! One thread per connection parses requests and hands reads to a shared [`Workers`]
 //! pool, which writes each reply as soon as it is ready (replies may be out of order;
@@ -32,6 +39,7 @@ const IHAVEOPT: u64 = 0x4948_4156_454F_5054; // "IHAVEOPT"
 const OPT_REPLY_MAGIC: u64 = 0x0003_e889_0455_65a9;
 const REQUEST_MAGIC: u32 = 0x2560_9513;
 const SIMPLE_REPLY_MAGIC: u32 = 0x6744_6698;
+const STRUCTURED_REPLY_MAGIC: u32 = 0x668e_33ef;
 
 const FLAG_FIXED_NEWSTYLE: u16 = 1;
 const FLAG_NO_ZEROES: u16 = 2;
@@ -43,10 +51,14 @@ const OPT_ABORT: u32 = 2;
 const OPT_LIST: u32 = 3;
 const OPT_INFO: u32 = 6;
 const OPT_GO: u32 = 7;
+const OPT_STRUCTURED_REPLY: u32 = 8;
+const OPT_LIST_META_CONTEXT: u32 = 9;
+const OPT_SET_META_CONTEXT: u32 = 10;
 
 const REP_ACK: u32 = 1;
 const REP_SERVER: u32 = 2;
 const REP_INFO: u32 = 3;
+const REP_META_CONTEXT: u32 = 4;
 const REP_ERR_UNSUP: u32 = (1 << 31) + 1;
 const REP_ERR_INVALID: u32 = (1 << 31) + 3;
 const REP_ERR_UNKNOWN: u32 = (1 << 31) + 6;
@@ -65,6 +77,25 @@ const CMD_DISC: u16 = 2;
 const CMD_FLUSH: u16 = 3;
 const CMD_TRIM: u16 = 4;
 const CMD_WRITE_ZEROES: u16 = 6;
+const CMD_BLOCK_STATUS: u16 = 7;
+/// BLOCK_STATUS: one descriptor is enough.
+const CMD_FLAG_REQ_ONE: u16 = 1 << 3;
+
+const REPLY_FLAG_DONE: u16 = 1;
+const REPLY_TYPE_NONE: u16 = 0;
+const REPLY_TYPE_OFFSET_DATA: u16 = 1;
+const REPLY_TYPE_BLOCK_STATUS: u16 = 5;
+const REPLY_TYPE_ERROR: u16 = (1 << 15) + 1;
+
+/// The one metadata context: which runs read as zeros with nothing stored
+/// ([`BlockDevice::allocation`]).
+const BASE_ALLOCATION: &[u8] = b"base:allocation";
+/// Its id on every connection.
+const BASE_ALLOCATION_ID: u32 = 1;
+const STATE_HOLE: u32 = 1;
+const STATE_ZERO: u32 = 2;
+/// Most descriptors in one BLOCK_STATUS reply; a client asks again for the rest.
+const MAX_DESCRIPTORS: usize = 1 << 16;
 
 /// Largest option payload we accept before dropping the client.
 const MAX_OPTION_LEN: u32 = 64 << 10;
@@ -205,16 +236,57 @@ fn write_all_vectored(w: &mut impl Write, mut bufs: &mut [IoSlice<'_>]) -> io::R
 struct Conn {
     writer: Mutex<Stream>,
     broken: AtomicBool,
+    /// The client asked for structured replies: READs must get them.
+    structured: bool,
 }
 
 impl Conn {
+    /// A simple reply.
     fn reply(&self, cookie: u64, error: u32, data: &[u8]) {
         let mut hdr = [0u8; 16];
         hdr[0..4].copy_from_slice(&SIMPLE_REPLY_MAGIC.to_be_bytes());
         hdr[4..8].copy_from_slice(&error.to_be_bytes());
         hdr[8..16].copy_from_slice(&cookie.to_be_bytes());
+        self.send(&hdr, data, &[]);
+    }
+
+    /// The one (final) chunk of a structured reply, of payload `a` then `b`.
+    fn chunk(&self, cookie: u64, kind: u16, a: &[u8], b: &[u8]) {
+        let len = a.len() + b.len();
+        let mut hdr = [0u8; 20];
+        hdr[0..4].copy_from_slice(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
+        hdr[4..6].copy_from_slice(&REPLY_FLAG_DONE.to_be_bytes());
+        hdr[6..8].copy_from_slice(&kind.to_be_bytes());
+        hdr[8..16].copy_from_slice(&cookie.to_be_bytes());
+        // Payloads are at most MAX_REQUEST plus a header, or MAX_DESCRIPTORS * 8.
+        hdr[16..20].copy_from_slice(&(len as u32).to_be_bytes());
+        self.send(&hdr, a, b);
+    }
+
+    /// An error, structured if the client asked for structured replies.
+    fn error(&self, cookie: u64, error: u32) {
+        if self.structured {
+            let mut p = [0u8; 6];
+            p[0..4].copy_from_slice(&error.to_be_bytes());
+            self.chunk(cookie, REPLY_TYPE_ERROR, &p, &[]);
+        } else {
+            self.reply(cookie, error, &[]);
+        }
+    }
+
+    /// The reply to a READ of `data.len()` bytes at `offset`, or its error.
+    fn read_reply(&self, cookie: u64, offset: u64, error: u32, data: &[u8]) {
+        match (self.structured, error) {
+            (false, _) => self.reply(cookie, error, if error == 0 { data } else { &[] }),
+            (true, 0) if data.is_empty() => self.chunk(cookie, REPLY_TYPE_NONE, &[], &[]),
+            (true, 0) => self.chunk(cookie, REPLY_TYPE_OFFSET_DATA, &offset.to_be_bytes(), data),
+            (true, e) => self.error(cookie, e),
+        }
+    }
+
+    fn send(&self, a: &[u8], b: &[u8], c: &[u8]) {
+        let mut bufs = [IoSlice::new(a), IoSlice::new(b), IoSlice::new(c)];
         let mut w = self.writer.lock().unwrap_or_else(|p| p.into_inner());
-        let mut bufs = [IoSlice::new(&hdr), IoSlice::new(data)];
         if write_all_vectored(&mut *w, &mut bufs).is_err() {
             // The client went away; the reader thread notices on its next read.
             self.broken.store(true, Ordering::Relaxed);
@@ -265,14 +337,15 @@ impl Shared {
                     }
                     let out = buf.slice_mut(job.len as usize);
                     let result = read_then(&*dev, readahead.as_deref(), out, job.offset, |data| {
-                        job.conn.reply(job.cookie, 0, data)
+                        job.conn.read_reply(job.cookie, job.offset, 0, data)
                     });
                     if let Err(e) = result {
                         eprintln!(
                             "vabc serve: NBD read of {} bytes at offset {}: {e}",
                             job.len, job.offset
                         );
-                        job.conn.reply(job.cookie, e.errno() as u32, &[]);
+                        job.conn
+                            .read_reply(job.cookie, job.offset, e.errno() as u32, &[]);
                     }
                     latency.record_since(job.received);
                 },
@@ -530,10 +603,37 @@ fn transmission_flags() -> u16 {
     TFLAG_HAS_FLAGS | TFLAG_READ_ONLY | TFLAG_SEND_FLUSH | TFLAG_CAN_MULTI_CONN
 }
 
+/// What a client chose in the option phase.
+#[derive(Clone, Copy, Debug, Default)]
+struct Session {
+    structured: bool,
+    /// `base:allocation` selected: BLOCK_STATUS answers.
+    allocation: bool,
+}
+
 /// Outcome of the option phase.
 enum Negotiated {
-    Transmit,
+    Transmit(Session),
     Closed,
+}
+
+/// The export name and the queries of a LIST/SET_META_CONTEXT request, if well formed.
+fn parse_meta_request(data: &[u8]) -> Option<(&[u8], Vec<&[u8]>)> {
+    let u32_at = |at: usize| -> Option<usize> {
+        Some(u32::from_be_bytes(data.get(at..at.checked_add(4)?)?.try_into().ok()?) as usize)
+    };
+    let nlen = u32_at(0)?;
+    let name = data.get(4..4usize.checked_add(nlen)?)?;
+    let mut at = 4 + nlen;
+    let n = u32_at(at)?;
+    at += 4;
+    let mut queries = Vec::new();
+    for _ in 0..n {
+        let qlen = u32_at(at)?;
+        queries.push(data.get(at + 4..(at + 4).checked_add(qlen)?)?);
+        at += 4 + qlen;
+    }
+    (at == data.len()).then_some((name, queries))
 }
 
 fn handshake(sh: &Shared, s: &mut Stream) -> io::Result<Negotiated> {
@@ -545,6 +645,7 @@ fn handshake(sh: &Shared, s: &mut Stream) -> io::Result<Negotiated> {
     let no_zeroes = cflags & FLAG_C_NO_ZEROES != 0;
     let size = sh.dev.size();
     let name_ok = |n: &[u8]| n.is_empty() || n == sh.opts.export_name.as_bytes();
+    let mut session = Session::default();
     loop {
         let magic = read_u64(s)?;
         if magic != IHAVEOPT {
@@ -572,7 +673,7 @@ fn handshake(sh: &Shared, s: &mut Stream) -> io::Result<Negotiated> {
                     m.extend_from_slice(&[0u8; 124]);
                 }
                 s.write_all(&m)?;
-                return Ok(Negotiated::Transmit);
+                return Ok(Negotiated::Transmit(session));
             }
             OPT_ABORT => {
                 let _ = option_reply(s, opt, REP_ACK, &[]);
@@ -619,8 +720,55 @@ fn handshake(sh: &Shared, s: &mut Stream) -> io::Result<Negotiated> {
                 option_reply(s, opt, REP_INFO, &bs)?;
                 option_reply(s, opt, REP_ACK, &[])?;
                 if opt == OPT_GO {
-                    return Ok(Negotiated::Transmit);
+                    return Ok(Negotiated::Transmit(session));
                 }
+            }
+            OPT_STRUCTURED_REPLY => {
+                if len != 0 {
+                    option_reply(s, opt, REP_ERR_INVALID, b"STRUCTURED_REPLY takes no data")?;
+                    continue;
+                }
+                session.structured = true;
+                option_reply(s, opt, REP_ACK, &[])?;
+            }
+            OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => {
+                let list = opt == OPT_LIST_META_CONTEXT;
+                if !list && !session.structured {
+                    option_reply(
+                        s,
+                        opt,
+                        REP_ERR_INVALID,
+                        b"negotiate structured replies first",
+                    )?;
+                    continue;
+                }
+                let Some((name, queries)) = parse_meta_request(&data) else {
+                    option_reply(s, opt, REP_ERR_INVALID, b"malformed META_CONTEXT request")?;
+                    continue;
+                };
+                if !name_ok(name) {
+                    option_reply(s, opt, REP_ERR_UNKNOWN, b"no such export")?;
+                    continue;
+                }
+                // LIST with no query lists everything, "base:" every base context; SET
+                // selects exactly what it names, anew each time.
+                let chosen = if queries.is_empty() {
+                    list
+                } else {
+                    queries
+                        .iter()
+                        .any(|q| *q == BASE_ALLOCATION || (list && *q == b"base:"))
+                };
+                if chosen {
+                    let mut d = Vec::with_capacity(4 + BASE_ALLOCATION.len());
+                    d.extend_from_slice(&BASE_ALLOCATION_ID.to_be_bytes());
+                    d.extend_from_slice(BASE_ALLOCATION);
+                    option_reply(s, opt, REP_META_CONTEXT, &d)?;
+                }
+                if !list {
+                    session.allocation = chosen;
+                }
+                option_reply(s, opt, REP_ACK, &[])?;
             }
             _ => option_reply(s, opt, REP_ERR_UNSUP, &[])?,
         }
@@ -628,12 +776,14 @@ fn handshake(sh: &Shared, s: &mut Stream) -> io::Result<Negotiated> {
 }
 
 fn serve_connection(sh: &Arc<Shared>, mut s: Stream) -> io::Result<()> {
-    if let Negotiated::Closed = handshake(sh, &mut s)? {
-        return Ok(());
-    }
+    let session = match handshake(sh, &mut s)? {
+        Negotiated::Transmit(session) => session,
+        Negotiated::Closed => return Ok(()),
+    };
     let conn = Arc::new(Conn {
         writer: Mutex::new(s.try_clone()?),
         broken: AtomicBool::new(false),
+        structured: session.structured,
     });
     let size = sh.dev.size();
     let mut hdr = [0u8; 28];
@@ -653,6 +803,7 @@ fn serve_connection(sh: &Arc<Shared>, mut s: Stream) -> io::Result<()> {
         if magic != REQUEST_MAGIC {
             return Err(protocol(format!("bad request magic {magic:#x}")));
         }
+        let flags = u16::from_be_bytes([hdr[4], hdr[5]]);
         let kind = u16::from_be_bytes([hdr[6], hdr[7]]);
         let cookie = u64::from_be_bytes(hdr[8..16].try_into().unwrap_or_default());
         let offset = u64::from_be_bytes(hdr[16..24].try_into().unwrap_or_default());
@@ -663,9 +814,9 @@ fn serve_connection(sh: &Arc<Shared>, mut s: Stream) -> io::Result<()> {
         match kind {
             CMD_READ => {
                 if !in_range || len > MAX_REQUEST {
-                    conn.reply(cookie, libc::EINVAL as u32, &[]);
+                    conn.read_reply(cookie, offset, libc::EINVAL as u32, &[]);
                 } else if len == 0 {
-                    conn.reply(cookie, 0, &[]);
+                    conn.read_reply(cookie, offset, 0, &[]);
                 } else {
                     let job = ReadJob {
                         conn: conn.clone(),
@@ -682,7 +833,7 @@ fn serve_connection(sh: &Arc<Shared>, mut s: Stream) -> io::Result<()> {
                         if let Some(q) = queued {
                             q.fetch_sub(1, Ordering::Relaxed);
                         }
-                        conn.reply(cookie, libc::ESHUTDOWN as u32, &[]);
+                        conn.read_reply(cookie, offset, libc::ESHUTDOWN as u32, &[]);
                     }
                 }
             }
@@ -700,11 +851,45 @@ fn serve_connection(sh: &Arc<Shared>, mut s: Stream) -> io::Result<()> {
                 let err = sh.dev.flush().err().map_or(0, |e| e.errno() as u32);
                 conn.reply(cookie, err, &[]);
             }
+            CMD_BLOCK_STATUS => block_status(sh, &conn, session, cookie, flags, offset, len),
             // Outstanding reads finish on the workers, which hold `conn` until replied.
             CMD_DISC => return Ok(()),
             _ => conn.reply(cookie, libc::EINVAL as u32, &[]),
         }
     }
+}
+
+/// Answers BLOCK_STATUS for `base:allocation`: zero runs as holes that read as zeros.
+fn block_status(
+    sh: &Shared,
+    conn: &Conn,
+    session: Session,
+    cookie: u64,
+    flags: u16,
+    offset: u64,
+    len: u32,
+) {
+    if !session.allocation || len == 0 {
+        return conn.error(cookie, libc::EINVAL as u32);
+    }
+    let runs = match sh.dev.allocation(offset, u64::from(len)) {
+        Ok(r) => r,
+        Err(e) => return conn.error(cookie, e.errno() as u32),
+    };
+    let most = if flags & CMD_FLAG_REQ_ONE != 0 {
+        1
+    } else {
+        MAX_DESCRIPTORS
+    };
+    let mut p = Vec::with_capacity(4 + 8 * runs.len().min(most));
+    p.extend_from_slice(&BASE_ALLOCATION_ID.to_be_bytes());
+    for r in runs.iter().take(most) {
+        // A run lies inside the request, whose length is a u32.
+        p.extend_from_slice(&(r.len as u32).to_be_bytes());
+        let state = if r.zero { STATE_HOLE | STATE_ZERO } else { 0 };
+        p.extend_from_slice(&state.to_be_bytes());
+    }
+    conn.chunk(cookie, REPLY_TYPE_BLOCK_STATUS, &p, &[]);
 }
 
 /// The body of the NBD fuzz target (see [`crate::fuzzing`]): the server side of
