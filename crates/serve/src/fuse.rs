@@ -21,7 +21,7 @@ use engine::{BlockDevice, ReadaheadOptions};
 use fuser::{
     Config, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, INodeNo, InitFlags,
     KernelConfig, LockOwner, MountOption, OpenAccMode, OpenFlags, ReplyAttr, ReplyData,
-    ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, Request, SessionACL,
+    ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyLseek, ReplyOpen, Request, SessionACL,
 };
 
 use crate::mount::free_mount_dir;
@@ -230,6 +230,26 @@ impl Filesystem for DiskFs {
         match self.dev.flush() {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(Errno::from_i32(e.errno())),
+        }
+    }
+
+    fn lseek(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: i64,
+        whence: i32,
+        reply: ReplyLseek,
+    ) {
+        let found = match u64::try_from(offset) {
+            Ok(o) if ino == FILE_INO => crate::fuse_uring::fs::seek_whence(&*self.dev, o, whence),
+            _ => Err(libc::EINVAL),
+        };
+        match found {
+            // Below the device size, which is an i64 file size.
+            Ok(o) => reply.offset(o as i64),
+            Err(e) => reply.error(Errno::from_i32(e)),
         }
     }
 

@@ -95,6 +95,37 @@ pub(crate) fn read_then<R>(
     }
 }
 
+/// `lseek(SEEK_DATA)` (`hole` false) or `lseek(SEEK_HOLE)` on the served file, from
+/// [`BlockDevice::allocation`]: the first byte at or after `offset` of data (or of a
+/// zero run, the end of the file counting as one). `Err(errno)`: ENXIO at or past the
+/// end, or when only zeros follow for SEEK_DATA.
+pub(crate) fn seek_data_hole(
+    dev: &dyn BlockDevice,
+    offset: u64,
+    hole: bool,
+) -> std::result::Result<u64, i32> {
+    // The map is asked for a window at a time: `cp` alternates SEEK_DATA and SEEK_HOLE
+    // over the whole file, and a map to the end each time would make that quadratic.
+    const WINDOW: u64 = 64 << 20;
+    let size = dev.size();
+    if offset >= size {
+        return Err(libc::ENXIO);
+    }
+    let mut at = offset;
+    while at < size {
+        let runs = dev
+            .allocation(at, WINDOW.min(size - at))
+            .map_err(|e| e.errno())?;
+        for r in runs {
+            if r.zero == hole {
+                return Ok(at);
+            }
+            at += r.len;
+        }
+    }
+    if hole { Ok(size) } else { Err(libc::ENXIO) }
+}
+
 /// Marks this process as part of the block I/O path so memory reclaim does not wait on
 /// the I/O it is itself serving (libfuse#700). Needs CAP_SYS_RESOURCE.
 // <linux/prctl.h>; not exported by the libc crate.

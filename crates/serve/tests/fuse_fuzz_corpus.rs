@@ -33,6 +33,14 @@ fn read_in(offset: u64, size: u32) -> Vec<u8> {
     b
 }
 
+/// LSEEK's argument: fh, offset, whence, padding.
+fn lseek_in(offset: u64, whence: u32) -> Vec<u8> {
+    let mut b = 0u64.to_le_bytes().to_vec();
+    b.extend_from_slice(&offset.to_le_bytes());
+    b.extend_from_slice(&two_u32(whence, 0));
+    b
+}
+
 fn two_u32(a: u32, b: u32) -> Vec<u8> {
     let mut v = a.to_le_bytes().to_vec();
     v.extend_from_slice(&b.to_le_bytes());
@@ -80,6 +88,11 @@ fn seeds() -> Vec<(&'static str, Vec<u8>)> {
     request(&mut session, 999, 18, FILE, &[]); // unknown: ENOSYS
     request(&mut session, 15, 19, FILE, &[0; 7]); // READ, argument cut short: EINVAL
     request(&mut session, 15, 20, ROOT, &read_in(0, 4096)); // READ of the directory
+    request(&mut session, 46, 21, FILE, &lseek_in(100, 3)); // LSEEK SEEK_DATA
+    request(&mut session, 46, 22, FILE, &lseek_in(100, 4)); // SEEK_HOLE: the end
+    request(&mut session, 46, 23, FILE, &lseek_in(FUSE_DEVICE_SIZE, 3)); // ENXIO
+    request(&mut session, 46, 24, FILE, &lseek_in(0, 0)); // SEEK_SET: EINVAL
+    request(&mut session, 46, 25, ROOT, &lseek_in(0, 3)); // the directory: EINVAL
 
     let mut cut = Vec::new();
     request(&mut cut, 15, 1, FILE, &read_in(4096, 8192));
@@ -111,7 +124,7 @@ fn every_request_of_a_session_is_answered_as_the_export_should() {
             .error
     };
     let len = |u: u64| answers.iter().find(|a| a.unique == u).unwrap().reply.len();
-    assert_eq!(answers.len(), 20);
+    assert_eq!(answers.len(), 25);
     assert_eq!((err(1), len(1)), (Some(0), 128)); // entry_out
     assert_eq!(err(2), Some(enoent));
     assert_eq!((err(3), len(3)), (Some(0), 104)); // attr_out
@@ -133,6 +146,16 @@ fn every_request_of_a_session_is_answered_as_the_export_should() {
     assert_eq!(err(18), Some(enosys));
     assert_eq!(err(19), Some(einval));
     assert_eq!(err(20), Some(eisdir));
+    // The fuzz device stores everything: data where asked, the one hole at the end.
+    let offset = |u: u64| {
+        let r = &answers.iter().find(|a| a.unique == u).unwrap().reply;
+        u64::from_le_bytes(r[..8].try_into().unwrap())
+    };
+    assert_eq!((err(21), offset(21)), (Some(0), 100));
+    assert_eq!((err(22), offset(22)), (Some(0), FUSE_DEVICE_SIZE));
+    assert_eq!(err(23), Some(6)); // ENXIO
+    assert_eq!(err(24), Some(einval));
+    assert_eq!(err(25), Some(einval));
     // The GETATTR of the file reports the device's size (attr starts after 16 bytes:
     // attr_valid, attr_valid_nsec, dummy; then ino, size).
     let a = &answers.iter().find(|a| a.unique == 4).unwrap().reply;

@@ -300,3 +300,74 @@ fn auto_transport_follows_the_kernel_switch() {
     );
     assert_nothing_left(tmp.path());
 }
+
+/// SEEK_DATA / SEEK_HOLE on the exported file, through the rings and through /dev/fuse:
+/// the ZERO ops and the base's hole are holes, the end of the file is one, and reads
+/// still give new.img.
+#[test]
+fn seek_data_and_hole_follow_the_allocation_map() {
+    use std::os::fd::AsRawFd;
+    const MIB: i64 = 1 << 20;
+    let tmp = tempfile::tempdir().unwrap();
+    let (old, new, cow) = sparse_pair(tmp.path());
+    let dir = tmp.path().join("mnt");
+    std::fs::create_dir(&dir).unwrap();
+    for transport in ["uring", "classic"] {
+        let log = tmp.path().join(format!("serve-{transport}.log"));
+        let server = {
+            let _guard = PARAM_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+            set_fuse_uring_param(true);
+            Server::start_logged(
+                &[
+                    os("--base"),
+                    old.as_os_str(),
+                    os("--cow"),
+                    cow.as_os_str(),
+                    os("--fuse"),
+                    dir.as_os_str(),
+                    os("--fuse-transport"),
+                    os(transport),
+                ],
+                &log,
+            )
+        };
+        let f = std::fs::File::open(dir.join("disk.img")).unwrap();
+        let seek = |off: i64, whence: i32| -> Result<i64, i32> {
+            // SAFETY: lseek on a descriptor `f` owns; no pointers.
+            let r = unsafe { libc::lseek(f.as_raw_fd(), off, whence) };
+            if r < 0 {
+                Err(std::io::Error::last_os_error().raw_os_error().unwrap_or(0))
+            } else {
+                Ok(r)
+            }
+        };
+        let (data, hole) = (libc::SEEK_DATA, libc::SEEK_HOLE);
+        for (off, whence, want) in [
+            (0, hole, Ok(MIB)),
+            (0, data, Ok(0)),
+            (MIB, data, Ok(2 * MIB)),
+            (MIB + 12345, hole, Ok(MIB + 12345)),
+            (2 * MIB, hole, Ok(3 * MIB)),
+            (3 * MIB, data, Ok(5 * MIB)),
+            (5 * MIB, hole, Ok(8 * MIB)),
+            (8 * MIB - 1, data, Ok(8 * MIB - 1)),
+            (8 * MIB, data, Err(libc::ENXIO)),
+            (8 * MIB, hole, Err(libc::ENXIO)),
+        ] {
+            assert_eq!(
+                seek(off, whence),
+                want,
+                "{transport}: seek {whence} from {off}"
+            );
+        }
+        drop(f);
+        assert_same_file(&dir.join("disk.img"), &new);
+        let status = server.stop();
+        assert!(
+            status.success(),
+            "{}",
+            std::fs::read_to_string(&log).unwrap()
+        );
+        assert_nothing_left(tmp.path());
+    }
+}

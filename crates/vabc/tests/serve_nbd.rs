@@ -312,35 +312,9 @@ fn chunk(s: &mut UnixStream) -> (u16, u16, u64, Vec<u8>) {
     (flags, kind, u64be(&h[8..]), d)
 }
 
-/// Sparse base (a 2 MiB hole) and a new image with a 1 MiB run of zeros written over
-/// data (ZERO ops), served over NBD.
+/// [`sparse_pair`] served over NBD.
 fn sparse_export(t: &Path) -> (Server, std::path::PathBuf, std::path::PathBuf) {
-    const MIB: usize = 1 << 20;
-    let mut x = 0x2545_f491_4f6c_dd1du64;
-    let mut bytes = |n: usize| -> Vec<u8> {
-        (0..n)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                x as u8
-            })
-            .collect()
-    };
-    let old = t.join("old.img");
-    let f = std::fs::File::create(&old).unwrap();
-    f.set_len(8 * MIB as u64).unwrap();
-    use std::os::unix::fs::FileExt;
-    f.write_all_at(&bytes(3 * MIB), 0).unwrap();
-    f.write_all_at(&bytes(3 * MIB), 5 * MIB as u64).unwrap();
-    f.sync_all().unwrap();
-    let mut new_data = std::fs::read(&old).unwrap();
-    new_data[MIB..2 * MIB].fill(0);
-    new_data[6 * MIB..6 * MIB + (64 << 10)].copy_from_slice(&bytes(64 << 10));
-    let new = t.join("new.img");
-    std::fs::write(&new, &new_data).unwrap();
-    let cow = t.join("update.cow");
-    make_cow(&old, &new, &cow, 3, "lz4");
+    let (old, new, cow) = sparse_pair(t);
     let sock = t.join("nbd.sock");
     let addr = format!("unix:{}", sock.display());
     let server = Server::start(&[

@@ -186,6 +186,15 @@ impl DiskFs {
                 Ok(()) => Reply(0),
                 Err(e) => Error(e.errno()),
             },
+            proto::LSEEK => match proto::read::<proto::LseekIn>(arg) {
+                Some(l) if h.nodeid == FILE_ID => {
+                    match seek_whence(&*self.dev, l.offset, l.whence as i32) {
+                        Ok(offset) => ok(proto::put(out, &proto::LseekOut { offset })),
+                        Err(e) => Error(e),
+                    }
+                }
+                _ => Error(libc::EINVAL),
+            },
             proto::RELEASE
             | proto::RELEASEDIR
             | proto::FLUSH
@@ -211,6 +220,19 @@ impl DiskFs {
             | proto::COPY_FILE_RANGE => Error(libc::EROFS),
             _ => Error(libc::ENOSYS),
         }
+    }
+}
+
+/// The kernel asks the server only for SEEK_DATA and SEEK_HOLE.
+pub(crate) fn seek_whence(
+    dev: &dyn engine::BlockDevice,
+    offset: u64,
+    whence: i32,
+) -> Result<u64, i32> {
+    match whence {
+        libc::SEEK_DATA => crate::seek_data_hole(dev, offset, false),
+        libc::SEEK_HOLE => crate::seek_data_hole(dev, offset, true),
+        _ => Err(libc::EINVAL),
     }
 }
 

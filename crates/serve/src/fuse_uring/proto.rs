@@ -37,6 +37,7 @@ pub const DESTROY: u32 = 38;
 pub const BATCH_FORGET: u32 = 42;
 pub const FALLOCATE: u32 = 43;
 pub const RENAME2: u32 = 45;
+pub const LSEEK: u32 = 46;
 pub const COPY_FILE_RANGE: u32 = 47;
 
 // INIT flags (64 bits: `flags | flags2 << 32` once FUSE_INIT_EXT is set).
@@ -248,6 +249,21 @@ pub struct StatfsOut {
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
+pub struct LseekIn {
+    pub fh: u64,
+    pub offset: u64,
+    pub whence: u32,
+    pub padding: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LseekOut {
+    pub offset: u64,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
 pub struct AccessIn {
     pub mask: u32,
     pub padding: u32,
@@ -328,12 +344,16 @@ unsafe impl Pod for OpenOut {}
 unsafe impl Pod for ReadIn {}
 unsafe impl Pod for StatfsOut {}
 unsafe impl Pod for AccessIn {}
+unsafe impl Pod for LseekIn {}
+unsafe impl Pod for LseekOut {}
 unsafe impl Pod for Dirent {}
 unsafe impl Pod for UringEntInOut {}
 unsafe impl Pod for UringReqHeader {}
 unsafe impl Pod for UringCmdReq {}
 
 const _: () = {
+    assert!(size_of::<LseekIn>() == 24);
+    assert!(size_of::<LseekOut>() == 8);
     assert!(size_of::<InHeader>() == 40);
     assert!(size_of::<OutHeader>() == 16);
     assert!(size_of::<InitIn>() == 64);
@@ -363,6 +383,7 @@ pub fn fixed_arg_size(opcode: u32) -> usize {
         READ | READDIR | WRITE => 40,
         RELEASE | RELEASEDIR | FLUSH => 24,
         FSYNC | FSYNCDIR => 16,
+        LSEEK => 24,
         INIT => 64,
         _ => 0,
     }

@@ -458,3 +458,36 @@ impl Drop for RefMount {
         let _ = Command::new("umount").arg(&self.dir).status();
     }
 }
+
+/// An 8 MiB sparse base (a hole at 3..5 MiB) and a new image with a 1 MiB run of zeros
+/// written over data at 1..2 MiB (ZERO ops) and 64 KiB changed at 6 MiB; returns (old,
+/// new, cow). Served, 1..2 and 3..5 MiB read as zeros with nothing stored.
+pub fn sparse_pair(t: &Path) -> (PathBuf, PathBuf, PathBuf) {
+    use std::os::unix::fs::FileExt;
+    const MIB: usize = 1 << 20;
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    let mut bytes = |n: usize| -> Vec<u8> {
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect()
+    };
+    let old = t.join("old.img");
+    let f = std::fs::File::create(&old).unwrap();
+    f.set_len(8 * MIB as u64).unwrap();
+    f.write_all_at(&bytes(3 * MIB), 0).unwrap();
+    f.write_all_at(&bytes(3 * MIB), 5 * MIB as u64).unwrap();
+    f.sync_all().unwrap();
+    let mut new_data = std::fs::read(&old).unwrap();
+    new_data[MIB..2 * MIB].fill(0);
+    new_data[6 * MIB..6 * MIB + (64 << 10)].copy_from_slice(&bytes(64 << 10));
+    let new = t.join("new.img");
+    std::fs::write(&new, &new_data).unwrap();
+    let cow = t.join("update.cow");
+    make_cow(&old, &new, &cow, 3, "lz4");
+    (old, new, cow)
+}
