@@ -16,6 +16,12 @@ fn start_nbd(t: &Path, pair: &str) -> (Server, std::path::PathBuf, std::path::Pa
     let new = corpus_image(pair, "new", "ext4");
     let cow = t.join("update.cow");
     let size = make_cow(&old, &new, &cow, 3, "lz4");
+    let (server, sock) = serve_nbd(t, &old, &cow);
+    (server, sock, new, size)
+}
+
+/// `vabc serve --nbd unix:T/nbd.sock` of `old` + `cow`; returns the server and socket.
+fn serve_nbd(t: &Path, old: &Path, cow: &Path) -> (Server, std::path::PathBuf) {
     let sock = t.join("nbd.sock");
     let addr = format!("unix:{}", sock.display());
     let server = Server::start(&[
@@ -26,7 +32,7 @@ fn start_nbd(t: &Path, pair: &str) -> (Server, std::path::PathBuf, std::path::Pa
         os("--nbd"),
         os(&addr),
     ]);
-    (server, sock, new, size)
+    (server, sock)
 }
 
 #[test]
@@ -315,16 +321,7 @@ fn chunk(s: &mut UnixStream) -> (u16, u16, u64, Vec<u8>) {
 /// [`sparse_pair`] served over NBD.
 fn sparse_export(t: &Path) -> (Server, std::path::PathBuf, std::path::PathBuf) {
     let (old, new, cow) = sparse_pair(t);
-    let sock = t.join("nbd.sock");
-    let addr = format!("unix:{}", sock.display());
-    let server = Server::start(&[
-        os("--base"),
-        old.as_os_str(),
-        os("--cow"),
-        cow.as_os_str(),
-        os("--nbd"),
-        os(&addr),
-    ]);
+    let (server, sock) = serve_nbd(t, &old, &cow);
     (server, sock, new)
 }
 
