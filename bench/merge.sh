@@ -86,6 +86,9 @@ drop() {
 # measures its neighbours too.
 cpu_ticks() { awk '/^cpu /{print $9, $2+$3+$4+$5+$6+$7+$8+$9}' /proc/stat; }
 now() { date +%s.%N; }
+# The mean transfer of BYTES in COUNT requests, in whole 4 KiB blocks (at
+# least one): the size fio's floors repeat the merge's transfers at.
+mean_bs() { local bs=$(($1 / $2 / 4096 * 4096)); echo $((bs > 0 ? bs : 4096)); }
 
 # fio's buffers in huge pages (see bench/hugepages.sh): without them its 1 MiB
 # transfers reached the disk whole in some rounds and split in others, and the
@@ -196,8 +199,7 @@ for pair in $PAIRS; do
 	# bandwidth of the device limit.
 	read -r nreq br bw secs nwr <<<"$uring_stat"
 	[ "$nreq" -gt 0 ] || continue # nothing to merge: no floor
-	bs=$(((br + bw) / nreq / 4096 * 4096))
-	bs=$((bs > 0 ? bs : 4096))
+	bs=$(mean_bs $((br + bw)) "$nreq")
 	fio --name=prep --filename="$WORK/fio.dat" --size=1G --bs=1M --rw=write --end_fsync=1 >/dev/null 2>&1
 	iops=$(fio --name=rr --filename="$WORK/fio.dat" --size=1G --bs="$bs" --direct=1 --ioengine=io_uring --iodepth=32 "${FIO_MEM[@]}" \
 		--rw=randrw --runtime=4 --time_based --output-format=json 2>/dev/null |
@@ -211,10 +213,11 @@ for pair in $PAIRS; do
 	# them. On a disk with a write-back cache a flush waits for the writes
 	# before it, so the protocol floor above (one lone flush's latency per
 	# sync) undercounts it; this floor shows how much of the gap to the device
-	# limit the scattered writes already are.
+	# limit the scattered writes already are. Timed by the clock around fio,
+	# so it includes fio's start-up (tens of ms), as the merge's time
+	# includes vabc's.
 	if [ "${nwr:-0}" -gt 0 ]; then
-		wbs=$((bw / nwr / 4096 * 4096))
-		wbs=$((wbs > 0 ? wbs : 4096))
+		wbs=$(mean_bs "$bw" "$nwr")
 		drop
 		w0=$(now)
 		fio --name=wf --filename="$WORK/fio.dat" --size=1G --bs="$wbs" --io_size="$bw" --rw=randwrite --direct=1 \
