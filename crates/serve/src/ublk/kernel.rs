@@ -1,8 +1,8 @@
 //! The real kernel side: control commands on `/dev/ublk-control` and per-queue
 //! fetch/commit commands on `/dev/ublkcN`, all as io_uring `IORING_OP_URING_CMD`s.
 //!
-//! Never run against a kernel here (no ublk driver on this machine or in CI); see the
-//! module documentation of [`super`].
+//! Tested on a real kernel in the VM tier only; see the module documentation of
+//! [`super`].
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Write};
@@ -23,6 +23,10 @@ pub struct KernelTransport {
     /// pointing at a buffer that is gone, so the ring must not be entered again.
     ring: Mutex<Option<IoUring<squeue::Entry128, cqueue::Entry>>>,
     added: OnceLock<(u32, DeviceParams)>,
+    /// `/dev/ublkcN`, opened by the first queue and shared by all: the driver allows
+    /// one open of a device's char node at a time (a second gets `EBUSY`), and every
+    /// queue's commands and descriptor mapping go through that one file.
+    cdev: Mutex<Option<Arc<File>>>,
 }
 
 impl KernelTransport {
@@ -54,6 +58,7 @@ impl KernelTransport {
             ctrl,
             ring: Mutex::new(Some(ring)),
             added: OnceLock::new(),
+            cdev: Mutex::new(None),
         })
     }
 
@@ -125,6 +130,19 @@ impl KernelTransport {
     }
 }
 
+impl KernelTransport {
+    /// Removes device `dev_id` that a killed daemon left behind: `STOP_DEV` (which
+    /// fails harmlessly when the driver already stopped it), then `DEL_DEV`.
+    pub fn delete_leftover(&self, dev_id: u32) -> Result<(), UblkError> {
+        if !Path::new(&format!("/sys/class/ublk-char/ublkc{dev_id}")).exists() {
+            return Ok(());
+        }
+        let _ = self.ctrl_cmd("STOP_DEV", sys::CMD_STOP_DEV, dev_id, None, 0);
+        self.ctrl_cmd("DEL_DEV", sys::CMD_DEL_DEV, dev_id, None, 0)?;
+        Ok(())
+    }
+}
+
 impl UblkTransport for KernelTransport {
     type Queue = KernelQueue;
 
@@ -155,7 +173,19 @@ impl UblkTransport for KernelTransport {
                 msg: "the device was not added".into(),
             });
         };
-        KernelQueue::open(dev_id, q_id, params.depth)
+        let path = PathBuf::from(format!("/dev/ublkc{dev_id}"));
+        let cdev = {
+            let mut shared = self.cdev.lock().unwrap_or_else(|p| p.into_inner());
+            match &*shared {
+                Some(f) => f.clone(),
+                None => {
+                    let f = Arc::new(open_cdev(&path)?);
+                    *shared = Some(f.clone());
+                    f
+                }
+            }
+        };
+        KernelQueue::open(cdev, path, q_id, params.depth)
     }
 
     fn start_device(&self) -> Result<(), UblkError> {
@@ -170,6 +200,9 @@ impl UblkTransport for KernelTransport {
     }
 
     fn delete_device(&self) -> Result<(), UblkError> {
+        // DEL_DEV waits until the char node is released; the queues dropped their
+        // handles when they ended, this is the last one.
+        self.cdev.lock().unwrap_or_else(|p| p.into_inner()).take();
         self.ctrl_cmd("DEL_DEV", sys::CMD_DEL_DEV, self.dev_id(), None, 0)?;
         Ok(())
     }
@@ -222,9 +255,30 @@ impl RingWake {
     }
 }
 
-/// One queue: `/dev/ublkcN`, its descriptor array mapped read-only, and an io_uring.
+/// Opens `/dev/ublkcN`, which appears when udev (or devtmpfs) catches up with ADD_DEV.
+fn open_cdev(path: &Path) -> Result<File, UblkError> {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match OpenOptions::new().read(true).write(true).open(path) {
+            Ok(f) => return Ok(f),
+            Err(e) if e.kind() == io::ErrorKind::NotFound && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(source) => {
+                return Err(UblkError::Io {
+                    op: "open",
+                    path: path.into(),
+                    source,
+                });
+            }
+        }
+    }
+}
+
+/// One queue: its share of `/dev/ublkcN`, its descriptor array mapped read-only, and
+/// an io_uring.
 pub struct KernelQueue {
-    cdev: File,
+    cdev: Arc<File>,
     path: PathBuf,
     q_id: u16,
     depth: u16,
@@ -244,25 +298,12 @@ fn page_size() -> usize {
 }
 
 impl KernelQueue {
-    fn open(dev_id: u32, q_id: u16, depth: u16) -> Result<KernelQueue, UblkError> {
-        let path = PathBuf::from(format!("/dev/ublkc{dev_id}"));
-        // The node appears when udev (or devtmpfs) catches up with ADD_DEV.
-        let deadline = Instant::now() + Duration::from_secs(5);
-        let cdev = loop {
-            match OpenOptions::new().read(true).write(true).open(&path) {
-                Ok(f) => break f,
-                Err(e) if e.kind() == io::ErrorKind::NotFound && Instant::now() < deadline => {
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-                Err(source) => {
-                    return Err(UblkError::Io {
-                        op: "open",
-                        path,
-                        source,
-                    });
-                }
-            }
-        };
+    fn open(
+        cdev: Arc<File>,
+        path: PathBuf,
+        q_id: u16,
+        depth: u16,
+    ) -> Result<KernelQueue, UblkError> {
         let page = page_size();
         let map_len = sys::desc_mmap_len(depth, page);
         let offset = sys::desc_mmap_offset(q_id, page);

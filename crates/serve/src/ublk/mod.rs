@@ -31,17 +31,22 @@
 //! (`UBLK_ATTR_READ_ONLY`) so writes never reach us in the first place, and any that do
 //! get `-EROFS`; logical block size 4096 (512 when the image size is not a multiple of
 //! 4096, so that its last partial block stays readable; bytes past the image's end in
-//! its last sector read as zeros). No user recovery (a restarted daemon cannot take the
-//! device over), no zero copy: snapshot reads assemble data from base + COW in a user
+//! its last sector read as zeros). No user recovery (`UBLK_F_USER_RECOVERY`: a
+//! restarted daemon cannot take the device over; when the daemon dies the driver fails
+//! every request with EIO and removes the block device, and `vabc cleanup` deletes
+//! what is left), no zero copy: snapshot reads assemble data from base + COW in a user
 //! buffer anyway.
 //!
-//! # What is not tested here
+//! # Where it is tested
 //!
-//! This machine and CI have no ublk driver, so [`KernelTransport`] (the control and
-//! queue io_uring commands, the descriptor mmap, the start/stop ordering with the kernel)
-//! is compiled and its encodings unit-tested, but it has never run against a kernel.
-//! Everything above it (queue core, queue loop, device set-up and tear-down order,
-//! parameters) runs in the tests with a fake transport.
+//! The build machines and CI's host have no ublk driver. There the queue core, the
+//! queue loop, the device set-up and tear-down order and the parameters run against a
+//! fake transport (unit tests and a proptest). [`KernelTransport`] runs on a stock
+//! kernel in the VM tier (`tests/vm/conformance.sh`): default settings (one queue per
+//! vCPU), buffered and direct reads, mounts, concurrent readers, reads during a merge,
+//! dm-verity on top, SIGTERM and SIGKILL. The real driver showed one thing the fake
+//! could not: it allows a single open of `/dev/ublkcN` at a time, so all queues share
+//! one file.
 
 mod kernel;
 mod queue;
