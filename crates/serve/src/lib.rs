@@ -8,12 +8,14 @@
 //! * [`nbd`]: an NBD server (fixed newstyle, read-only, many connections);
 //! * [`verity`]: dm-verity checking of every block served (EIO on a mismatch);
 //! * [`ublk`]: a kernel block device `/dev/ublkbN` served through the ublk driver
-//!   (unit-tested with a fake transport; the kernel side is untested here).
+//!   (unit-tested with a fake transport here, run on a real kernel in the VM tier);
+//! * [`leftovers`]: what a killed daemon leaves behind, recorded and removed.
 
 pub mod fuse;
 pub mod fuse_uring;
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod leftovers;
 pub mod mount;
 pub mod nbd;
 pub mod ublk;

@@ -226,6 +226,29 @@ impl LoopDevice {
         self.number
     }
 
+    /// Detaches loop device `number` left behind by a killed daemon, if it is still
+    /// attached to `backing` (a device since reused for another file is left alone).
+    pub fn detach_leftover(number: u32, backing: &Path) -> Result<()> {
+        let sys = format!("/sys/block/loop{number}/loop/backing_file");
+        let Ok(current) = std::fs::read_to_string(&sys) else {
+            return Ok(()); // detached already (autoclear, or someone else)
+        };
+        // The kernel reports the path it resolved, with " (deleted)" once unlinked.
+        let current = current.trim_end_matches('\n');
+        let current = current.strip_suffix(" (deleted)").unwrap_or(current);
+        if Path::new(current) != backing {
+            return Ok(());
+        }
+        let path = PathBuf::from(format!("/dev/loop{number}"));
+        let dev = File::open(&path).map_err(io_err("open", &path))?;
+        LoopDevice {
+            dev: Some(dev),
+            path,
+            number,
+        }
+        .detach()
+    }
+
     /// Detaches the device and waits until the kernel has let go of the backing file.
     pub fn detach(mut self) -> Result<()> {
         self.detach_inner()

@@ -31,8 +31,10 @@ enum Command {
     Verity(cmd::verity::Args),
     /// Add and inspect unsigned AVB hashtree footers (avbtool layout, no FEC).
     Avb(cmd::avb::Args),
-    /// Serve the new image (base + COW) through FUSE, a read-only mount, or NBD.
-    Serve(cmd::serve::Args),
+    /// Serve the new image (base + COW) through FUSE, a read-only mount, NBD or ublk.
+    Serve(Box<cmd::serve::Args>),
+    /// Remove what killed `vabc serve` daemons left behind (mounts, loop and ublk devices).
+    Cleanup(cmd::cleanup::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -44,7 +46,8 @@ fn main() -> std::process::ExitCode {
         Command::Diff(a) => cmd::diff::run(a),
         Command::Verity(a) => cmd::verity::run(a),
         Command::Avb(a) => cmd::avb::run(a),
-        Command::Serve(a) => cmd::serve::run(a),
+        Command::Serve(a) => cmd::serve::run(*a),
+        Command::Cleanup(a) => cmd::cleanup::run(a),
     };
     match result {
         Ok(code) => code,

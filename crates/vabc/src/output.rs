@@ -34,3 +34,12 @@ pub fn commit(tmp: NamedTempFile, dest: &Path) -> Result<()> {
         .with_context(|| format!("rename the temporary file to {}", dest.display()))?;
     Ok(())
 }
+
+/// Writes `data` to `dest` through a synced temporary file and a rename.
+pub fn write_atomic(dest: &Path, data: &[u8]) -> Result<()> {
+    use std::io::Write;
+    let mut tmp = temp_beside(dest)?;
+    tmp.write_all(data)
+        .with_context(|| format!("write {}", tmp.path().display()))?;
+    commit(tmp, dest)
+}

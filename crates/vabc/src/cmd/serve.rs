@@ -47,6 +47,17 @@ pub struct Args {
     /// takes longer than the completions take to arrive under load.
     #[arg(long, value_name = "US", default_value_t = DEFAULT_POLL_US)]
     pub fuse_uring_poll: u64,
+    /// With --fuse: also attach DIR/disk.img to a read-only loop device with direct
+    /// I/O (a block device, as --ublk and an NBD client give), detached again on exit.
+    /// The loop device auto-clears: if the daemon is killed it goes away once nothing
+    /// holds it open.
+    #[arg(long = "loop", requires = "fuse", conflicts_with = "mount")]
+    pub loop_dev: bool,
+    /// Once serving, write a JSON report here (written to a temporary file and renamed,
+    /// so a script can wait for the file to appear): schema_version, pid, size, and
+    /// whichever of block_device, nbd_address, fuse_file, mount_target applies.
+    #[arg(long, value_name = "FILE")]
+    pub ready_file: Option<PathBuf>,
     /// Mount the new image's file system read-only on TARGET (FUSE + loop for ext4,
     /// file-backed mount for EROFS).
     #[arg(long, value_name = "TARGET")]
@@ -273,6 +284,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         readahead: readahead.clone(),
         ..serve::fuse_uring::UringOptions::with_workers(args.workers)
     });
+    let mut nbd_uri = None;
     let nbd = match &nbd_addr {
         Some(addr) => {
             let nbd_opts = NbdOptions {
@@ -285,6 +297,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             let uri = server.addr().to_string();
             let handle = server.spawn()?;
             println!("vabc serve: NBD export {:?} at {uri}", args.export_name);
+            nbd_uri = Some(uri);
             Some(handle)
         }
         None => None,
@@ -357,6 +370,60 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         );
         fuse = Some(f);
     }
+    let fuse_file = stack
+        .as_ref()
+        .and_then(|s| s.fuse().map(|f| f.file_path().to_path_buf()))
+        .or_else(|| uring_export.as_ref().map(|f| f.file_path().to_path_buf()))
+        .or_else(|| fuse.as_ref().map(|f| f.file_path().to_path_buf()));
+    let loop_dev = match (&fuse_file, args.loop_dev) {
+        (Some(file), true) => {
+            let lo = serve::mount::LoopDevice::attach(file, true)?;
+            println!(
+                "vabc serve: block device {} over {} (direct I/O {})",
+                lo.path().display(),
+                file.display(),
+                if lo.direct_io() { "on" } else { "off" }
+            );
+            Some(lo)
+        }
+        _ => None,
+    };
+    if let Some(path) = &args.ready_file {
+        let block = ublk
+            .as_ref()
+            .map(|u| u.block_path())
+            .or_else(|| loop_dev.as_ref().map(|l| l.path().to_path_buf()));
+        let report = serde_json::json!({
+            "schema_version": 1,
+            "pid": std::process::id(),
+            "size": size,
+            "block_device": block,
+            "nbd_address": nbd_uri,
+            "fuse_file": fuse_file,
+            "mount_target": stack.as_ref().map(|s| s.target().to_path_buf()),
+        });
+        crate::output::write_atomic(path, format!("{report:#}\n").as_bytes())
+            .with_context(|| format!("write the ready report {}", path.display()))?;
+    }
+    // What `vabc cleanup` removes should this process be killed; deleted (on drop)
+    // after the tear-down below.
+    let record = serve::leftovers::Record {
+        ublk_dev_id: ublk.as_ref().map(|u| u.dev_id()),
+        fuse_dir: fuse_file
+            .as_ref()
+            .and_then(|f| f.parent().map(|p| p.to_path_buf())),
+        loop_devices: loop_dev
+            .iter()
+            .chain(stack.as_ref().and_then(MountStack::loop_device))
+            .filter_map(|l| Some((l.number(), fuse_file.clone()?)))
+            .collect(),
+        mount_target: stack.as_ref().map(|s| s.target().to_path_buf()),
+        ..serve::leftovers::Record::for_self()?
+    };
+    let record_file = match record == serve::leftovers::Record::for_self()? {
+        true => None, // NBD only: nothing in the kernel to leave behind
+        false => Some(record.write(&serve::leftovers::run_dir())?),
+    };
     println!("vabc serve: ready ({size} bytes); stop with Ctrl-C or SIGTERM");
     use std::io::Write;
     let _ = std::io::stdout().flush();
@@ -409,8 +476,13 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         }
     }
     let mut result = Ok(());
+    if let Some(lo) = loop_dev {
+        result = lo.detach().context("detach the loop device");
+    }
     if let Some(s) = stack {
-        result = s.teardown().context("tear down the mount stack");
+        result = result
+            .and(s.teardown().map_err(anyhow::Error::from))
+            .context("tear down the mount stack");
     }
     if let Some(f) = fuse {
         let r = f.unmount().context("unmount the FUSE export");
@@ -429,6 +501,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     }
     if args.stats {
         stats.print();
+    }
+    if result.is_err() {
+        // Something may be left behind: keep the record for `vabc cleanup`.
+        std::mem::forget(record_file);
     }
     result?;
     if lost_ublk {

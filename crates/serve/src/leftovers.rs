@@ -1,0 +1,281 @@
+//! What a killed `vabc serve` leaves behind, and how to remove it.
+//!
+//! A daemon that ends normally tears down everything it set up. One that is killed
+//! (SIGKILL, the OOM killer, a crash) cannot: the kernel keeps a dead FUSE mount
+//! (reads fail with `ENOTCONN`), the file system mounted on top of it, and a ublk
+//! device whose block node is gone but whose `/dev/ublkcN` stays until someone sends
+//! `DEL_DEV`. None of these ever serve wrong data: every read of them fails.
+//!
+//! So that they can be removed without guessing, a serving daemon writes a [`Record`]
+//! of what it set up into [`run_dir`] once it is ready, and deletes it when it has torn
+//! everything down. [`cleanup`] (`vabc cleanup`) reads the records of daemons that are
+//! no longer running and removes what they name, in the reverse order of set-up:
+//! the file system mount, the loop device, the FUSE mount, the ublk device. A process
+//! is identified by its pid and its start time, so a reused pid is not mistaken for
+//! the daemon.
+
+use std::io;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::{ServeError, io_err};
+
+/// Where records live: `$VABC_RUN_DIR`, else `/run/vabc` for root, else
+/// `$XDG_RUNTIME_DIR/vabc`, else a per-user folder under the temporary directory.
+pub fn run_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("VABC_RUN_DIR") {
+        return PathBuf::from(d);
+    }
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let uid = unsafe { libc::geteuid() };
+    if uid == 0 {
+        return PathBuf::from("/run/vabc");
+    }
+    match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(d) => PathBuf::from(d).join("vabc"),
+        None => std::env::temp_dir().join(format!("vabc-{uid}")),
+    }
+}
+
+/// What one serving daemon set up.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Record {
+    pub pid: u32,
+    /// Field 22 of `/proc/PID/stat` (clock ticks after boot).
+    pub start_time: u64,
+    /// N of `/dev/ublkbN`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ublk_dev_id: Option<u32>,
+    /// Where the FUSE export is mounted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fuse_dir: Option<PathBuf>,
+    /// Loop devices over the FUSE file: number and backing file.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub loop_devices: Vec<(u32, PathBuf)>,
+    /// The new image's file system, mounted by `--mount`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mount_target: Option<PathBuf>,
+}
+
+/// A record on disk; removed on drop (after a clean tear-down).
+#[derive(Debug)]
+pub struct RecordFile {
+    path: PathBuf,
+}
+
+impl Drop for RecordFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+impl Record {
+    /// A record for this process.
+    pub fn for_self() -> Result<Record, ServeError> {
+        let pid = std::process::id();
+        let start_time = start_time(pid).map_err(io_err("read", "/proc/self/stat"))?;
+        Ok(Record {
+            pid,
+            start_time,
+            ..Record::default()
+        })
+    }
+
+    /// Writes the record into `dir` ([`run_dir`] outside tests): a temporary file,
+    /// then a rename.
+    pub fn write(&self, dir: &Path) -> Result<RecordFile, ServeError> {
+        std::fs::create_dir_all(dir).map_err(io_err("create", dir))?;
+        let path = dir.join(format!("serve-{}.json", self.pid));
+        let tmp = dir.join(format!(".serve-{}.json.tmp", self.pid));
+        let text = serde_json::to_string_pretty(self).map_err(|e| ServeError::Invalid {
+            path: path.clone(),
+            msg: e.to_string(),
+        })?;
+        std::fs::write(&tmp, text).map_err(io_err("write", &tmp))?;
+        std::fs::rename(&tmp, &path).map_err(io_err("rename to", &path))?;
+        Ok(RecordFile { path })
+    }
+
+    /// Whether the process that wrote the record is still running.
+    pub fn is_running(&self) -> bool {
+        start_time(self.pid).is_ok_and(|t| t == self.start_time)
+    }
+}
+
+fn start_time(pid: u32) -> io::Result<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // The command name (field 2) may contain spaces and parentheses: fields after it
+    // start after its last ')'.
+    let rest = stat
+        .rfind(')')
+        .map(|i| &stat[i + 1..])
+        .ok_or_else(|| io::Error::other("malformed /proc/PID/stat"))?;
+    rest.split_whitespace()
+        .nth(19)
+        .and_then(|f| f.parse().ok())
+        .ok_or_else(|| io::Error::other("malformed /proc/PID/stat"))
+}
+
+/// One thing [`cleanup`] removed, or failed to remove.
+#[derive(Debug, Serialize)]
+pub struct Removed {
+    /// The daemon that left it behind.
+    pub pid: u32,
+    /// `mount`, `loop`, `fuse`, `ublk`, or `record`.
+    pub kind: &'static str,
+    pub what: String,
+    /// `None` when removed (or already gone); else why not.
+    pub error: Option<String>,
+}
+
+/// Removes what dead daemons left behind, as recorded in `dir` (see the module documentation). Records of
+/// running daemons are left alone. A record is deleted once everything it names is
+/// gone; on a failure it stays, so a later run can try again.
+pub fn cleanup(dir: &Path) -> Result<Vec<Removed>, ServeError> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(io_err("read", dir)(e)),
+    };
+    let mut paths: Vec<PathBuf> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("serve-") && n.ends_with(".json"))
+        })
+        .collect();
+    paths.sort();
+    let mut out = Vec::new();
+    for path in paths {
+        let text = std::fs::read_to_string(&path).map_err(io_err("read", &path))?;
+        let rec: Record = serde_json::from_str(&text).map_err(|e| ServeError::Invalid {
+            path: path.clone(),
+            msg: format!("not a vabc serve record: {e}"),
+        })?;
+        if rec.is_running() {
+            continue;
+        }
+        let before = out.len();
+        remove_all(&rec, &mut out);
+        if out[before..].iter().all(|r| r.error.is_none()) {
+            let error = std::fs::remove_file(&path).err().map(|e| e.to_string());
+            out.push(Removed {
+                pid: rec.pid,
+                kind: "record",
+                what: path.display().to_string(),
+                error,
+            });
+        }
+    }
+    Ok(out)
+}
+
+fn remove_all(rec: &Record, out: &mut Vec<Removed>) {
+    let mut note = |kind, what: String, r: Result<(), ServeError>| {
+        out.push(Removed {
+            pid: rec.pid,
+            kind,
+            what,
+            error: r.err().map(|e| e.to_string()),
+        })
+    };
+    if let Some(t) = &rec.mount_target {
+        note("mount", t.display().to_string(), unmount_detached(t));
+    }
+    for (n, backing) in &rec.loop_devices {
+        note(
+            "loop",
+            format!("/dev/loop{n}"),
+            crate::mount::LoopDevice::detach_leftover(*n, backing),
+        );
+    }
+    if let Some(d) = &rec.fuse_dir {
+        note("fuse", d.display().to_string(), unmount_detached(d));
+    }
+    if let Some(id) = rec.ublk_dev_id {
+        let r = crate::ublk::KernelTransport::open()
+            .and_then(|t| t.delete_leftover(id))
+            .map_err(|e| ServeError::Invalid {
+                path: PathBuf::from(format!("/dev/ublkc{id}")),
+                msg: e.to_string(),
+            });
+        note("ublk", format!("/dev/ublkc{id}"), r);
+    }
+}
+
+/// Detaches the mount on `path` (`umount -l`), if there is one: a dead FUSE mount
+/// cannot be unmounted any other way while something still holds it.
+fn unmount_detached(path: &Path) -> Result<(), ServeError> {
+    let Ok(canon) = path.canonicalize() else {
+        // ENOTCONN on a dead FUSE mount point itself: try the path as given.
+        return umount2_detach(path);
+    };
+    if !crate::mount::is_mount_point(&canon)? {
+        return Ok(());
+    }
+    umount2_detach(&canon)
+}
+
+fn umount2_detach(path: &Path) -> Result<(), ServeError> {
+    use std::os::unix::ffi::OsStrExt;
+    let c =
+        std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(|_| ServeError::Invalid {
+            path: path.into(),
+            msg: "path contains a NUL byte".into(),
+        })?;
+    // SAFETY: `c` is a NUL-terminated path valid for the call.
+    let rc = unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+    if rc < 0 {
+        let e = io::Error::last_os_error();
+        // EINVAL: not a mount point (already gone).
+        if e.raw_os_error() != Some(libc::EINVAL) {
+            return Err(io_err("unmount", path)(e));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn own_start_time_identifies_this_process() {
+        let me = Record::for_self().unwrap();
+        assert!(me.is_running());
+        let other = Record {
+            start_time: me.start_time + 1,
+            ..me.clone()
+        };
+        assert!(
+            !other.is_running(),
+            "a reused pid must not count as the daemon"
+        );
+    }
+
+    #[test]
+    fn records_round_trip_and_only_dead_ones_are_cleaned() {
+        let dir = tempfile::tempdir().unwrap();
+        let me = Record::for_self().unwrap();
+        let live = me.write(dir.path()).unwrap();
+        let dead = Record {
+            pid: u32::MAX - 1,
+            start_time: 1,
+            ..Record::default()
+        };
+        let _dead_file = dead.write(dir.path()).unwrap();
+        let removed = cleanup(dir.path()).unwrap();
+        assert_eq!(removed.len(), 1, "{removed:?}");
+        assert_eq!((removed[0].pid, removed[0].kind), (u32::MAX - 1, "record"));
+        assert!(dir.path().join(format!("serve-{}.json", me.pid)).exists());
+        assert!(
+            !dir.path()
+                .join(format!("serve-{}.json", u32::MAX - 1))
+                .exists()
+        );
+        drop(live);
+        assert!(!dir.path().join(format!("serve-{}.json", me.pid)).exists());
+    }
+}

@@ -1,0 +1,48 @@
+//! `vabc cleanup`: remove what killed `vabc serve` daemons left behind (dead FUSE
+//! mounts, the file systems and loop devices stacked on them, ublk devices), as
+//! recorded by each daemon when it became ready. See `serve::leftovers`.
+
+use std::process::ExitCode;
+
+use anyhow::Context;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Print what was removed as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(a: Args) -> anyhow::Result<ExitCode> {
+    let dir = serve::leftovers::run_dir();
+    let removed = serve::leftovers::cleanup(&dir)
+        .with_context(|| format!("clean up after daemons recorded in {}", dir.display()))?;
+    let failed = removed.iter().filter(|r| r.error.is_some()).count();
+    if a.json {
+        let v = serde_json::json!({
+            "schema_version": 1,
+            "run_dir": dir,
+            "removed": removed,
+            "failed": failed,
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        for r in &removed {
+            match &r.error {
+                None => println!("removed {} {} (vabc serve pid {})", r.kind, r.what, r.pid),
+                Some(e) => eprintln!(
+                    "vabc cleanup: could not remove {} {} (vabc serve pid {}): {e}",
+                    r.kind, r.what, r.pid
+                ),
+            }
+        }
+        if removed.is_empty() {
+            println!("nothing to clean up");
+        }
+    }
+    Ok(if failed == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
