@@ -1,5 +1,6 @@
-//! `vabc serve --ublk` where the ublk driver is missing (this machine and CI): a clear
-//! error naming the driver, a non-zero exit, and nothing reported ready.
+//! `vabc serve --ublk` where the ublk driver is missing (the build machines and CI's
+//! host): a clear error naming the driver, a non-zero exit, and nothing reported ready.
+//! Where the driver exists, the VM tier (`tests/vm/conformance.sh`) serves through it.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -10,10 +11,14 @@ fn vectors() -> PathBuf {
 
 #[test]
 fn ublk_without_the_driver_fails_cleanly() {
-    assert!(
-        !Path::new("/dev/ublk-control").exists(),
-        "this test expects a machine without the ublk driver"
-    );
+    if Path::new("/dev/ublk-control").exists() {
+        // The missing-driver path cannot be reached here; say so rather than fail.
+        eprintln!(
+            "ublk_without_the_driver_fails_cleanly: /dev/ublk-control exists, so the \
+             missing-driver error cannot occur on this kernel; the VM tier tests the driver"
+        );
+        return;
+    }
     for extra in [&[][..], &["--ublk-queues", "2", "--ublk-depth", "32"][..]] {
         let out = Command::new(env!("CARGO_BIN_EXE_vabc"))
             .arg("serve")
