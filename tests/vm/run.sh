@@ -38,7 +38,7 @@ while (($#)); do
 	esac
 done
 (($#)) || { sed -n '2,24p' "$0" >&2; exit 2; }
-[ "$PWD" = / ] || SHARES+=("$PWD:ro")
+case $PWD in / | "$ROOT") ;; *) SHARES+=("$PWD:ro") ;; esac
 
 CACHE=$("$HERE/prepare.sh")
 PKG=$(cat "$CACHE/kernel.pkg")
