@@ -210,6 +210,7 @@ for FS in $FSES; do
 		cp $T/$FS/old.img $T/base.img
 		# The merge records its progress in the COW: merge a copy.
 		cp "$WORK/$FS.cow" $T/merge.cow
+		cp "$WORK/$FS.cow.manifest" $T/merge.cow.manifest
 		rm -f $T/merged
 		if serve_up "$FRONT" $T/base.img $T/merge.cow --merge; then
 			# The stop file appears when the daemon reports the merge complete.

@@ -7,6 +7,7 @@
 //!   REPLACE/ZERO batches, commits in `num_merge_ops`).
 //! - [`io`]: the I/O trait and the `sync` baseline engine.
 //! - [`uring`]: the io_uring engine.
+//! - [`progress`]: how far a COW's merge has gone, as every command reads it.
 //! - [`status`]: merge progress shared with readers serving the image.
 //! - [`view`]: a reader of the new image that is correct during a merge.
 
@@ -15,6 +16,7 @@ pub mod error;
 pub mod fuzzing;
 pub mod io;
 pub mod merger;
+pub mod progress;
 pub mod serving;
 pub mod status;
 pub mod uring;
@@ -23,5 +25,6 @@ pub mod view;
 pub use error::{MergeError, Result};
 pub use io::{Dev, IoStats, MergeIo, SyncIo};
 pub use merger::{Merge, MergeOptions, MergeReport};
+pub use progress::Progress;
 pub use status::MergeStatus;
 pub use uring::UringIo;

@@ -2,6 +2,7 @@
 
 use clap::{Parser, Subcommand};
 
+mod checks;
 mod cmd;
 mod output;
 mod progress;
@@ -62,7 +63,7 @@ fn main() -> std::process::ExitCode {
 /// text already ends the message is not repeated: the libraries' errors include their
 /// I/O cause in their own text (so that they read well alone) and also return it as
 /// their source.
-fn error_chain(e: &anyhow::Error) -> String {
+pub(crate) fn error_chain(e: &anyhow::Error) -> String {
     let mut out = String::new();
     for cause in e.chain() {
         let text = cause.to_string();

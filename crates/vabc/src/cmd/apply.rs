@@ -24,10 +24,12 @@ pub struct Args {
     /// Apply the COW only up to this label (resume point).
     #[arg(long)]
     label: Option<u64>,
-    /// Size of the new image in bytes (the format does not record it).
-    /// Default: the base size, extended to cover every op.
+    /// Size of the new image in bytes (the COW format does not record it). Default:
+    /// the size in the update's manifest, else the base size extended to cover every op.
     #[arg(long)]
     size: Option<u64>,
+    #[command(flatten)]
+    check: crate::checks::CheckArgs,
 }
 
 pub fn run(a: Args) -> Result<ExitCode> {
@@ -44,15 +46,22 @@ pub fn run(a: Args) -> Result<ExitCode> {
             );
         }
     }
-    if cow.header().num_merge_ops > 0 {
+    // One reading of the merge state for every command: a merge killed inside its first
+    // window has overwritten base blocks while its counter still says 0.
+    let progress = merge::progress::read(&cow)?;
+    if progress.started() {
         bail!(
-            "{}: {} ops are already merged into a base, so a base is no longer the old image; \
+            "{}: its merge is {progress}, so a base is no longer the old image; \
              finish the merge (vabc merge) or serve it (vabc serve) instead",
             a.cow.display(),
-            cow.header().num_merge_ops
         );
     }
-    let view = SnapshotView::new(&cow, &base, &a.base, a.size)?;
+    let manifest = crate::checks::load_manifest(&a.check, &a.cow, &cow)?;
+    if let Some(m) = &manifest {
+        crate::checks::check_base(m, progress, &cow, &base, &a.base)?;
+    }
+    let size = a.size.or(manifest.as_ref().map(|m| m.new.size));
+    let view = SnapshotView::new(&cow, &base, &a.base, size)?;
     let needed = cow.source_extent();
     if view.base_size() < needed {
         bail!(
@@ -67,6 +76,10 @@ pub fn run(a: Args) -> Result<ExitCode> {
     let report = |done: u64| bar.set_position(done);
 
     if is_block_device(&a.output) {
+        // Written in place, so it cannot be undone: prove the result first.
+        if manifest.is_some() {
+            crate::checks::prove_result(manifest.as_ref(), &cow, &base, &a.base, Some(size))?;
+        }
         let out = OpenOptions::new()
             .write(true)
             .open(&a.output)
@@ -88,6 +101,21 @@ pub fn run(a: Args) -> Result<ExitCode> {
             .set_len(size)
             .with_context(|| format!("cannot size {}", tmp.path().display()))?;
         view.write_to(tmp.as_file(), tmp.path(), &report)?;
+        if let Some(m) = &manifest {
+            // Before the rename: a corrupt COW must not leave a wrong image behind.
+            let found = m
+                .new
+                .first_mismatch(tmp.as_file(), tmp.path(), size, |_| true)?;
+            if let Some(mismatch) = found {
+                bail!(
+                    "{} + {} does not make the new image the update promises: {mismatch}; \
+                     the COW is corrupt ({} not written)",
+                    a.base.display(),
+                    a.cow.display(),
+                    a.output.display()
+                );
+            }
+        }
         crate::output::commit(tmp, &a.output)?;
     }
     bar.finish_and_clear();

@@ -202,6 +202,10 @@ struct Report {
     ops: u64,
     replace_ops: u64,
     cow_size: u64,
+    /// The sidecar that says which base the COW needs and what it makes.
+    manifest: PathBuf,
+    base_sha256: String,
+    new_sha256: String,
     index_bytes: usize,
     plan_seconds: f64,
     write_seconds: f64,
@@ -266,6 +270,22 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     };
     let w = write_cow(&plan, &old, &new, &args.output, &copts, &bar)
         .with_context(|| format!("writing {}", args.output.display()))?;
+    // What the update is for: the base it needs and the image it makes, checked by
+    // apply, merge and serve before they read a base through this COW.
+    let manifest_path = manifest::Manifest::path_for(&args.output);
+    let id = |img: &ImageFile, path: &Path, size: u64| {
+        let read = |off: u64, buf: &mut [u8]| {
+            delta::BlockImage::read_exact_at(img, buf, off).map_err(std::io::Error::other)
+        };
+        manifest::ImageId::compute(&read, path, size)
+    };
+    let m = manifest::Manifest {
+        schema_version: manifest::SCHEMA_VERSION,
+        base: id(&old, &args.old, plan.old_size)?,
+        new: id(&new, &args.new, plan.new_size)?,
+        cow_ops: w.ops,
+    };
+    crate::output::write_atomic(&manifest_path, m.to_json().as_bytes())?;
     let verity = if args.verity {
         let hashfile = args.verity_hash_out.clone().unwrap_or_else(|| {
             let mut p = args.output.clone().into_os_string();
@@ -320,6 +340,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         ops: w.ops,
         replace_ops: w.replace_ops,
         cow_size: w.cow_size,
+        manifest: manifest_path,
+        base_sha256: m.base.sha256.clone(),
+        new_sha256: m.new.sha256.clone(),
         index_bytes: plan.index_bytes,
         plan_seconds,
         write_seconds: w.seconds,

@@ -28,6 +28,16 @@ pub struct Args {
     /// Print JSON instead of text.
     #[arg(long)]
     json: bool,
+    /// A dry run of what a merge checks before its first write: every op's payload
+    /// decodes and, with --base, the base is the one the update's manifest names and
+    /// base + COW make exactly its new image. Writes nothing; exit 1 on failure.
+    #[arg(long)]
+    check: bool,
+    /// The base image for --check.
+    #[arg(long, requires = "check", value_name = "OLD.img")]
+    base: Option<PathBuf>,
+    #[command(flatten)]
+    checks: crate::checks::CheckArgs,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -77,6 +87,11 @@ struct Summary<'a> {
     sequence_entries: usize,
     labels: Vec<cow::Label>,
     footer: Option<&'a cow::Footer>,
+    /// How far a merge of this COW has gone: a merge records its progress in the COW.
+    merge_state: String,
+    merge_complete: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    check: Option<VerifyJson>,
     #[serde(skip_serializing_if = "Option::is_none")]
     verify_merge: Option<VerifyJson>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -112,6 +127,21 @@ pub fn run(a: Args) -> Result<ExitCode> {
             error: Some(e.to_string()),
         },
     });
+    let progress = merge::progress::read(&r);
+    let merge_state = match &progress {
+        Ok(p) => p.to_string(),
+        Err(e) => format!("invalid: {e}"),
+    };
+    let check = a.check.then(|| match run_check(&a, &r) {
+        Ok(()) => VerifyJson {
+            ok: true,
+            error: None,
+        },
+        Err(e) => VerifyJson {
+            ok: false,
+            error: Some(crate::error_chain(&e)),
+        },
+    });
     let listing: Option<Vec<&Op>> = if a.ops || a.order == Order::Merge {
         Some(match a.order {
             Order::Stream => r.ops().iter().collect(),
@@ -141,6 +171,9 @@ pub fn run(a: Args) -> Result<ExitCode> {
         sequence_entries: r.sequence().len(),
         labels: r.labels().to_vec(),
         footer: r.footer(),
+        merge_complete: matches!(progress, Ok(merge::Progress::Complete { .. })),
+        merge_state,
+        check,
         verify_merge: verify,
         order: listing.as_ref().map(|_| match a.order {
             Order::Stream => "stream",
@@ -159,15 +192,52 @@ pub fn run(a: Args) -> Result<ExitCode> {
             r => r.context("cannot write to stdout")?,
         }
     }
-    if let Some(VerifyJson {
-        ok: false,
-        error: Some(e),
-    }) = &summary.verify_merge
+    let mut failed = false;
+    for v in [&summary.verify_merge, &summary.check]
+        .into_iter()
+        .flatten()
     {
-        eprintln!("vabc: {e}");
-        return Ok(ExitCode::FAILURE);
+        if let Some(e) = &v.error {
+            eprintln!("vabc: {e}");
+            failed = true;
+        }
     }
-    Ok(ExitCode::SUCCESS)
+    if let Err(e) = &progress {
+        eprintln!("vabc: {e}");
+        failed = true;
+    }
+    Ok(if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+/// `--check`: what `vabc merge` proves before its first write, without writing.
+fn run_check(a: &Args, r: &CowReader) -> Result<()> {
+    use rayon::prelude::*;
+    r.ops()
+        .par_iter()
+        .filter(|op| matches!(op.kind, OpKind::Xor | OpKind::Replace))
+        .try_for_each_init(Vec::new, |buf, op| {
+            buf.resize(op.unit_size(), 0);
+            r.read_payload(op, buf)
+        })
+        .with_context(|| format!("decode every payload of {}", a.cow.display()))?;
+    let Some(base_path) = &a.base else {
+        return Ok(());
+    };
+    let base = std::fs::File::open(base_path)
+        .with_context(|| format!("cannot open base {}", base_path.display()))?;
+    let progress = merge::progress::read(r)?;
+    let manifest = crate::checks::load_manifest(&a.checks, &a.cow, r)?;
+    if let Some(m) = &manifest {
+        crate::checks::check_base(m, progress, r, &base, base_path)?;
+    }
+    if !progress.started() {
+        crate::checks::prove_result(manifest.as_ref(), r, &base, base_path, None)?;
+    }
+    Ok(())
 }
 
 /// The text report. A reader that goes away early (`vabc inspect --ops |
@@ -184,6 +254,7 @@ fn print_text(out: &mut impl Write, s: &Summary) -> std::io::Result<()> {
         writeln!(out, "Cluster ops:        {}", h.cluster_ops)?;
     }
     writeln!(out, "Merge ops:          {}", h.num_merge_ops)?;
+    writeln!(out, "Merge state:        {}", s.merge_state)?;
     writeln!(out, "Scratch area:       {} bytes", h.buffer_size)?;
     writeln!(out, "Compression:        {}", s.compression)?;
     if h.major_version == 3 {
@@ -237,6 +308,12 @@ fn print_text(out: &mut impl Write, s: &Summary) -> std::io::Result<()> {
     writeln!(out, "Blocks covered:     {}", s.blocks_covered)?;
     writeln!(out, "End block:          {}", s.end_block)?;
     writeln!(out, "Data size:          {} bytes", s.data_bytes)?;
+    if let Some(v) = &s.check {
+        match v.ok {
+            true => writeln!(out, "Check:              passed")?,
+            false => writeln!(out, "Check:              FAILED")?,
+        }
+    }
     if let Some(v) = &s.verify_merge {
         if v.ok {
             writeln!(out, "Merge sequence is consistent.")?;

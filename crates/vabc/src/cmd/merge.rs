@@ -58,6 +58,8 @@ pub struct Args {
     /// Pause after this many durable commits (the next run resumes).
     #[arg(long)]
     max_commits: Option<usize>,
+    #[command(flatten)]
+    check: crate::checks::CheckArgs,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -116,6 +118,19 @@ pub fn run(a: Args) -> Result<ExitCode> {
     let base = open_rw(&a.base)?;
     let cow_file = open_rw(&a.cow)?;
     let base_size = cow::view::file_size(&base, &a.base)?;
+    // Nothing is written before the base is known to be the right one and, for a merge
+    // not yet started, every op is known to decode to the new image (the way Android
+    // reads every block of the snapshot through dm-verity before it allows a merge).
+    let progress = merge::progress::read(&cow)?;
+    let manifest = crate::checks::load_manifest(&a.check, &a.cow, &cow)?;
+    let t_check = Instant::now();
+    if let Some(m) = &manifest {
+        crate::checks::check_base(m, progress, &cow, &base, &a.base)?;
+    }
+    if !progress.started() && !a.check.no_base_check {
+        crate::checks::prove_result(manifest.as_ref(), &cow, &base, &a.base, None)?;
+    }
+    let check_seconds = t_check.elapsed().as_secs_f64();
     let opts = MergeOptions {
         window_ops: a.window_ops,
         max_commits: a.max_commits,
@@ -154,6 +169,9 @@ pub fn run(a: Args) -> Result<ExitCode> {
             "early_blocks": report.early_blocks,
             "commits": report.commits,
             "seconds": secs,
+            "check_seconds": check_seconds,
+            "base_checked": manifest.is_some(),
+            "result_proven": !progress.started() && !a.check.no_base_check,
             "syscalls": report.io.syscalls,
             "reads": report.io.reads,
             "writes": report.io.writes,

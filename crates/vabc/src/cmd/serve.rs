@@ -125,6 +125,8 @@ pub struct Args {
     /// --no-superblock).
     #[command(flatten)]
     pub verity: super::verity::TreeOpts,
+    #[command(flatten)]
+    pub check: crate::checks::CheckArgs,
 }
 
 /// `--fuse-transport`.
@@ -235,8 +237,22 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         eprintln!("vabc serve: warning: PR_SET_IO_FLUSHER: {e} (needs CAP_SYS_RESOURCE)");
     }
 
+    // Before serving a byte: the base must be the one the update was made for (or, once
+    // merged, the new image), and the COW's merge state must be sane.
+    let (progress, manifest) = {
+        let cow = cow::CowReader::open(&args.cow)
+            .with_context(|| format!("cannot read COW {}", args.cow.display()))?;
+        let progress = merge::progress::read(&cow)?;
+        let manifest = crate::checks::load_manifest(&args.check, &args.cow, &cow)?;
+        if let Some(m) = &manifest {
+            let base = std::fs::File::open(&args.base)
+                .with_context(|| format!("cannot open base {}", args.base.display()))?;
+            crate::checks::check_base(m, progress, &cow, &base, &args.base)?;
+        }
+        (progress, manifest)
+    };
     let opts = CowEngineOptions {
-        size: args.size,
+        size: args.size.or(manifest.as_ref().map(|m| m.new.size)),
         cache_bytes: args.cache_mib << 20,
         decode_threads: args.decode_threads,
         direct_io: !args.buffered,
@@ -251,7 +267,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     })?;
     // Even without --merge, a COW that is partly merged (an interrupted merge)
     // must be served through its merge state: merged sources may be gone.
-    let merge_job = MergeJob::prepare(&args, &mut engine)?;
+    let merge_job = MergeJob::prepare(&args, &mut engine, progress.started(), manifest.as_ref())?;
     let size = engine.size();
     if let Some(check) = open_verity(&args, size)? {
         engine.set_verifier(check);
@@ -583,6 +599,9 @@ struct MergeJob {
     status: Arc<merge::MergeStatus>,
     cancel: Arc<AtomicBool>,
     handle: Option<std::thread::JoinHandle<anyhow::Result<merge::MergeReport>>>,
+    /// For a merge not yet started: prove, before its first write, that every op
+    /// decodes to the new image (against the manifest when there is one).
+    prove: Option<Option<manifest::Manifest>>,
 }
 
 impl MergeJob {
@@ -590,14 +609,12 @@ impl MergeJob {
     /// before the first read is served (a published scratch window counts).
     /// None when there is nothing to merge-track: no --merge and nothing
     /// merged yet.
-    fn prepare(args: &Args, engine: &mut CowEngine) -> anyhow::Result<Option<MergeJob>> {
-        let reader = engine.reader();
-        let h = reader.header();
-        let mut state = [0u8; 1];
-        if h.buffer_size > 0 {
-            reader.read_file_at(&mut state, u64::from(h.header_size))?;
-        }
-        let started = h.num_merge_ops > 0 || state[0] == merge::merger::STATE_DONE;
+    fn prepare(
+        args: &Args,
+        engine: &mut CowEngine,
+        started: bool,
+        manifest: Option<&manifest::Manifest>,
+    ) -> anyhow::Result<Option<MergeJob>> {
         if !args.merge && !started {
             return Ok(None);
         }
@@ -636,6 +653,7 @@ impl MergeJob {
             status,
             cancel: Arc::new(AtomicBool::new(false)),
             handle: None,
+            prove: (!started && !args.check.no_base_check).then(|| manifest.cloned()),
         }))
     }
 
@@ -664,11 +682,12 @@ impl MergeJob {
     }
 
     fn start(mut self) -> MergeJob {
-        let (base, cow, status, cancel) = (
+        let (base, cow, status, cancel, prove) = (
             self.base.clone(),
             self.cow.clone(),
             self.status.clone(),
             self.cancel.clone(),
+            self.prove.take(),
         );
         eprintln!(
             "vabc serve: merging {} into {} in the background",
@@ -677,6 +696,11 @@ impl MergeJob {
         );
         self.handle = Some(std::thread::spawn(move || {
             let reader = cow::CowReader::open(&cow)?;
+            if let Some(manifest) = prove {
+                let file = std::fs::File::open(&base)
+                    .with_context(|| format!("cannot open {}", base.display()))?;
+                crate::checks::prove_result(manifest.as_ref(), &reader, &file, &base, None)?;
+            }
             let (m, mut io) = Self::open(&base, &cow, &reader)?;
             let m = m.with_status(status).with_cancel(cancel);
             Ok(m.run(io.as_mut(), &|_, _| {})?)

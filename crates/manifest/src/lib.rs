@@ -1,0 +1,377 @@
+//! What an update is for: the identity of the base image it must be applied to and of
+//! the image it makes.
+//!
+//! A COW file does not say which base it was made against: applied to another base, or
+//! after a payload byte flipped, it produces a wrong image without any error. `vabc
+//! diff` therefore writes a [`Manifest`] beside the COW (`UPDATE.cow.manifest`, JSON),
+//! and every command that reads a base through a COW checks it first:
+//!
+//! * the base's [`ImageId`] (size, sha256, and one sha256 per [`REGION_SIZE`] region,
+//!   so that a mismatch names the first region that differs rather than just "wrong");
+//! * the new image's [`ImageId`], which the result of decoding every op must equal
+//!   before a merge writes its first block.
+//!
+//! Region hashes are computed in parallel and compared one by one; two images with the
+//! same size and the same region hashes are the same image, so the whole-image sha256
+//! is carried for people (`sha256sum` prints it) and is not recomputed by the checks.
+//! A sidecar file rather than bytes inside the COW: AOSP's readers must read our COWs
+//! unchanged, and the update bundle carries the same identities in its own manifest.
+
+use std::path::{Path, PathBuf};
+
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+/// Bytes hashed per region.
+pub const REGION_SIZE: u64 = 4 << 20;
+/// The manifest format this build writes; it reads this and older ones.
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// Errors, each naming the file it concerns.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ManifestError {
+    #[error("{path}: {op} at offset {offset}: {source}")]
+    Io {
+        path: PathBuf,
+        op: &'static str,
+        offset: u64,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: not a vabc update manifest: {msg}")]
+    Invalid { path: PathBuf, msg: String },
+    #[error(
+        "{path}: manifest format {found} is newer than this vabc understands ({SCHEMA_VERSION}); upgrade vabc"
+    )]
+    TooNew { path: PathBuf, found: u32 },
+}
+
+pub type Result<T> = std::result::Result<T, ManifestError>;
+
+/// Size and hashes of one image.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImageId {
+    pub size: u64,
+    /// sha256 of the whole image, hex.
+    pub sha256: String,
+    /// Bytes per region (the last one may be shorter).
+    pub region_size: u64,
+    /// sha256 of each region, hex.
+    pub regions: Vec<String>,
+}
+
+/// The first place two images differ.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Mismatch {
+    /// The image has fewer bytes than the identity says.
+    TooSmall { size: u64, want: u64 },
+    /// Region `index` (bytes `start..end`) differs.
+    Region { index: usize, start: u64, end: u64 },
+}
+
+impl std::fmt::Display for Mismatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Mismatch::TooSmall { size, want } => {
+                write!(f, "it has {size} bytes, {want} expected")
+            }
+            Mismatch::Region { index, start, end } => write!(
+                f,
+                "bytes {start}..{end} (region {index} of {} MiB) differ",
+                REGION_SIZE >> 20
+            ),
+        }
+    }
+}
+
+/// Reads `buf.len()` bytes of an image at `offset` (the caller's file, device or view).
+pub trait ReadAt: Sync {
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<()>;
+}
+
+impl ReadAt for std::fs::File {
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
+        std::os::unix::fs::FileExt::read_exact_at(self, buf, offset)
+    }
+}
+
+impl<F: Fn(u64, &mut [u8]) -> std::io::Result<()> + Sync> ReadAt for F {
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
+        self(offset, buf)
+    }
+}
+
+/// Hashes of the regions `which` of the first `size` bytes of an image, in parallel.
+/// `path` names the image in errors.
+fn region_hashes(
+    src: &dyn ReadAt,
+    path: &Path,
+    size: u64,
+    which: &[usize],
+) -> Result<Vec<[u8; 32]>> {
+    const CHUNK: usize = 1 << 20;
+    which
+        .par_iter()
+        .map_init(
+            || vec![0u8; CHUNK],
+            |buf, &r| {
+                let start = r as u64 * REGION_SIZE;
+                let end = (start + REGION_SIZE).min(size);
+                let mut h = Sha256::new();
+                let mut off = start;
+                while off < end {
+                    let n = ((end - off) as usize).min(CHUNK);
+                    src.read_at(off, &mut buf[..n])
+                        .map_err(|source| ManifestError::Io {
+                            path: path.to_path_buf(),
+                            op: "read",
+                            offset: off,
+                            source,
+                        })?;
+                    h.update(&buf[..n]);
+                    off += n as u64;
+                }
+                Ok(h.finalize().into())
+            },
+        )
+        .collect()
+}
+
+fn regions_of(size: u64) -> usize {
+    size.div_ceil(REGION_SIZE) as usize
+}
+
+impl ImageId {
+    /// The identity of the first `size` bytes of an image. Reads it twice over (regions
+    /// in parallel, then the whole-image hash), so use it where the image is made, not
+    /// on every check.
+    pub fn compute(src: &dyn ReadAt, path: &Path, size: u64) -> Result<ImageId> {
+        let all: Vec<usize> = (0..regions_of(size)).collect();
+        let regions = region_hashes(src, path, size, &all)?;
+        let mut whole = Sha256::new();
+        let mut buf = vec![0u8; 1 << 20];
+        let mut off = 0;
+        while off < size {
+            let n = ((size - off) as usize).min(buf.len());
+            src.read_at(off, &mut buf[..n])
+                .map_err(|source| ManifestError::Io {
+                    path: path.to_path_buf(),
+                    op: "read",
+                    offset: off,
+                    source,
+                })?;
+            whole.update(&buf[..n]);
+            off += n as u64;
+        }
+        Ok(ImageId {
+            size,
+            sha256: hex::encode(whole.finalize()),
+            region_size: REGION_SIZE,
+            regions: regions.iter().map(hex::encode).collect(),
+        })
+    }
+
+    /// Compares an image of `actual_size` bytes with this identity, region by region
+    /// (only the regions for which `check(index)` is true), and returns the first
+    /// difference. Bytes past `self.size` are not looked at: a partition may be larger
+    /// than the image in it.
+    pub fn first_mismatch(
+        &self,
+        src: &dyn ReadAt,
+        path: &Path,
+        actual_size: u64,
+        check: impl Fn(usize) -> bool,
+    ) -> Result<Option<Mismatch>> {
+        if actual_size < self.size {
+            return Ok(Some(Mismatch::TooSmall {
+                size: actual_size,
+                want: self.size,
+            }));
+        }
+        let which: Vec<usize> = (0..self.regions.len()).filter(|&r| check(r)).collect();
+        let got = region_hashes(src, path, self.size, &which)?;
+        Ok(which
+            .iter()
+            .zip(&got)
+            .find(|(r, h)| self.regions[**r] != hex::encode(h))
+            .map(|(&index, _)| {
+                let start = index as u64 * self.region_size;
+                Mismatch::Region {
+                    index,
+                    start,
+                    end: (start + self.region_size).min(self.size),
+                }
+            }))
+    }
+
+    fn validate(&self, path: &Path, what: &str) -> Result<()> {
+        let bad = |msg: String| {
+            Err(ManifestError::Invalid {
+                path: path.to_path_buf(),
+                msg: format!("{what}: {msg}"),
+            })
+        };
+        if self.region_size != REGION_SIZE {
+            return bad(format!(
+                "region size {} (this vabc uses {REGION_SIZE})",
+                self.region_size
+            ));
+        }
+        if self.regions.len() != regions_of(self.size) {
+            return bad(format!(
+                "{} region hashes for {} bytes",
+                self.regions.len(),
+                self.size
+            ));
+        }
+        let is_hash = |s: &str| s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit());
+        if !is_hash(&self.sha256) || !self.regions.iter().all(|r| is_hash(r)) {
+            return bad("a hash is not 64 hex digits".into());
+        }
+        Ok(())
+    }
+}
+
+/// What `vabc diff` records about an update.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub schema_version: u32,
+    /// The image the COW must be applied to.
+    pub base: ImageId,
+    /// The image it makes.
+    pub new: ImageId,
+    /// The COW's op count, which ties the manifest to its COW.
+    pub cow_ops: u64,
+}
+
+impl Manifest {
+    /// Where the manifest of `cow` lives by default: `COW.manifest`.
+    pub fn path_for(cow: &Path) -> PathBuf {
+        let mut p = cow.as_os_str().to_owned();
+        p.push(".manifest");
+        PathBuf::from(p)
+    }
+
+    pub fn to_json(&self) -> String {
+        // Serialising plain strings and integers cannot fail.
+        serde_json::to_string_pretty(self).unwrap_or_default() + "\n"
+    }
+
+    /// Reads and validates a manifest.
+    pub fn load(path: &Path) -> Result<Manifest> {
+        let text = std::fs::read_to_string(path).map_err(|source| ManifestError::Io {
+            path: path.to_path_buf(),
+            op: "read",
+            offset: 0,
+            source,
+        })?;
+        Manifest::parse(&text, path)
+    }
+
+    /// Parses and validates manifest text; `path` names it in errors.
+    pub fn parse(text: &str, path: &Path) -> Result<Manifest> {
+        #[derive(Deserialize)]
+        struct Version {
+            schema_version: u32,
+        }
+        let v: Version = serde_json::from_str(text).map_err(|e| ManifestError::Invalid {
+            path: path.to_path_buf(),
+            msg: e.to_string(),
+        })?;
+        if v.schema_version > SCHEMA_VERSION {
+            return Err(ManifestError::TooNew {
+                path: path.to_path_buf(),
+                found: v.schema_version,
+            });
+        }
+        let m: Manifest = serde_json::from_str(text).map_err(|e| ManifestError::Invalid {
+            path: path.to_path_buf(),
+            msg: e.to_string(),
+        })?;
+        m.base.validate(path, "base")?;
+        m.new.validate(path, "new")?;
+        Ok(m)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn image(len: usize, seed: u64) -> Vec<u8> {
+        let mut rng = fastrand::Rng::with_seed(seed);
+        (0..len).map(|_| rng.u8(..)).collect()
+    }
+
+    fn reader(data: &[u8]) -> impl Fn(u64, &mut [u8]) -> std::io::Result<()> + Sync + '_ {
+        move |off, buf| {
+            let o = off as usize;
+            buf.copy_from_slice(&data[o..o + buf.len()]);
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn identity_matches_sha256_and_names_the_first_differing_region() {
+        let a = image((REGION_SIZE * 2 + 12345) as usize, 1);
+        let id = ImageId::compute(&reader(&a), Path::new("a"), a.len() as u64).unwrap();
+        assert_eq!(id.sha256, hex::encode(Sha256::digest(&a)));
+        assert_eq!(id.regions.len(), 3);
+        let same = id.first_mismatch(&reader(&a), Path::new("a"), a.len() as u64, |_| true);
+        assert_eq!(same.unwrap(), None);
+        let mut b = a.clone();
+        b[(REGION_SIZE + 7) as usize] ^= 1;
+        b[(REGION_SIZE * 2 + 7) as usize] ^= 1;
+        let diff = id
+            .first_mismatch(&reader(&b), Path::new("b"), b.len() as u64, |_| true)
+            .unwrap();
+        assert_eq!(
+            diff,
+            Some(Mismatch::Region {
+                index: 1,
+                start: REGION_SIZE,
+                end: REGION_SIZE * 2
+            })
+        );
+        // Regions left out are not compared.
+        let skipped = id
+            .first_mismatch(&reader(&b), Path::new("b"), b.len() as u64, |r| r == 0)
+            .unwrap();
+        assert_eq!(skipped, None);
+        let short = id
+            .first_mismatch(&reader(&b), Path::new("b"), 100, |_| true)
+            .unwrap();
+        assert!(matches!(short, Some(Mismatch::TooSmall { .. })));
+    }
+
+    #[test]
+    fn manifest_round_trips_and_rejects_bad_or_newer_files() {
+        let a = image(10_000, 2);
+        let b = image(9_000, 3);
+        let m = Manifest {
+            schema_version: SCHEMA_VERSION,
+            base: ImageId::compute(&reader(&a), Path::new("a"), a.len() as u64).unwrap(),
+            new: ImageId::compute(&reader(&b), Path::new("b"), b.len() as u64).unwrap(),
+            cow_ops: 7,
+        };
+        let p = Path::new("u.cow.manifest");
+        assert_eq!(Manifest::parse(&m.to_json(), p).unwrap(), m);
+        let newer = m
+            .to_json()
+            .replace("\"schema_version\": 1", "\"schema_version\": 99");
+        assert!(matches!(
+            Manifest::parse(&newer, p),
+            Err(ManifestError::TooNew { found: 99, .. })
+        ));
+        let bad = m.to_json().replace(&m.base.regions[0], "xyz");
+        let e = Manifest::parse(&bad, p).unwrap_err().to_string();
+        assert!(e.contains("u.cow.manifest") && e.contains("base"), "{e}");
+        assert!(Manifest::parse("{", p).is_err());
+        assert_eq!(
+            Manifest::path_for(Path::new("/x/u.cow")),
+            Path::new("/x/u.cow.manifest")
+        );
+    }
+}

@@ -1,0 +1,189 @@
+//! Before a base is read through a COW: is it the base the update was made for
+//! (`manifest` crate), and, before the first block of a merge or an apply is written,
+//! does every op decode to exactly the new image. One reading of the merge state
+//! (`merge::progress`) decides what the base must be:
+//!
+//! * merge not started: the old image, every region;
+//! * merge complete: the new image, every region (so a COW merged into one device is
+//!   refused for another device's old image instead of "merging" nothing);
+//! * merge in progress: the regions no op writes must still match (the others hold a
+//!   mix of old and new blocks that no whole-region hash describes).
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use cow::{CowReader, SnapshotView};
+use manifest::{ImageId, Manifest};
+use merge::Progress;
+
+/// Flags shared by the commands that read a base through a COW.
+#[derive(clap::Args, Debug, Clone)]
+pub struct CheckArgs {
+    /// The update's manifest: which base it needs and which image it makes (default:
+    /// COW.manifest, written by `vabc diff`).
+    #[arg(long, value_name = "FILE")]
+    pub manifest: Option<PathBuf>,
+    /// Skip the check that the base is the image the update was made for (and, for
+    /// merge and apply, that the result will be the new image).
+    #[arg(long)]
+    pub no_base_check: bool,
+}
+
+/// The manifest that applies to `cow`, if there is one. An explicit `--manifest` must
+/// exist; the default one may be missing (a COW made by another tool has none).
+pub fn load_manifest(
+    args: &CheckArgs,
+    cow_path: &Path,
+    cow: &CowReader,
+) -> Result<Option<Manifest>> {
+    if args.no_base_check {
+        return Ok(None);
+    }
+    let path = match &args.manifest {
+        Some(p) => p.clone(),
+        None => {
+            let p = Manifest::path_for(cow_path);
+            if !p.exists() {
+                eprintln!(
+                    "vabc: note: {} has no manifest ({} missing), so the base cannot be \
+                     checked; `vabc diff` writes one",
+                    cow_path.display(),
+                    p.display()
+                );
+                return Ok(None);
+            }
+            p
+        }
+    };
+    let m = Manifest::load(&path)?;
+    let ops = cow.ops().len() as u64;
+    if m.cow_ops != ops {
+        bail!(
+            "{}: made for a COW of {} ops, but {} has {ops}: not this update's manifest",
+            path.display(),
+            m.cow_ops,
+            cow_path.display()
+        );
+    }
+    Ok(Some(m))
+}
+
+/// Checks that `base` is what the update needs given how far its merge has gone.
+pub fn check_base(
+    m: &Manifest,
+    progress: Progress,
+    cow: &CowReader,
+    base: &File,
+    base_path: &Path,
+) -> Result<()> {
+    let size = cow::view::file_size(base, base_path)?;
+    let (want, what): (&ImageId, &str) = match progress {
+        Progress::Complete { .. } => (&m.new, "the new image (this COW's merge is complete)"),
+        _ => (&m.base, "the image this update was made for"),
+    };
+    let touched = match progress {
+        Progress::InProgress { .. } => written_regions(cow, want.region_size),
+        _ => Vec::new(),
+    };
+    let found = want
+        .first_mismatch(base, base_path, size, |r| {
+            touched.get(r).is_none_or(|&t| !t)
+        })
+        .with_context(|| format!("check the base {}", base_path.display()))?;
+    if let Some(mismatch) = found {
+        let hint = match progress {
+            Progress::Complete { .. } => {
+                "; a merged COW is used up: it cannot be applied to another device's old image"
+            }
+            _ => "; wrong base image? (--no-base-check skips this check)",
+        };
+        bail!("{} is not {what}: {mismatch}{hint}", base_path.display());
+    }
+    Ok(())
+}
+
+/// Per region: whether some op writes a block in it.
+fn written_regions(cow: &CowReader, region_size: u64) -> Vec<bool> {
+    let mut out = Vec::new();
+    for op in cow.ops() {
+        let (a, b) = (op.new_block * 4096, op.end_block() * 4096);
+        let (ra, rb) = (a / region_size, b.saturating_sub(1) / region_size);
+        for r in ra..=rb {
+            let r = r as usize;
+            if out.len() <= r {
+                out.resize(r + 1, false);
+            }
+            out[r] = true;
+        }
+    }
+    out
+}
+
+/// Decodes every op through the snapshot view (base + COW) and, with a manifest,
+/// checks that the result is the new image, region by region; names the first region
+/// that differs. Reads the base and the whole COW once; writes nothing. Only for a
+/// base whose merge has not started (the view reads the base as the old image).
+pub fn prove_result(
+    m: Option<&Manifest>,
+    cow: &CowReader,
+    base: &File,
+    base_path: &Path,
+    size: Option<u64>,
+) -> Result<u64> {
+    let size = size.or(m.map(|m| m.new.size));
+    let view = SnapshotView::new(cow, base, base_path, size)?;
+    let size = view.size();
+    let cow_path = cow.path().to_path_buf();
+    let read = |off: u64, buf: &mut [u8]| -> std::io::Result<()> {
+        // The view reads whole blocks; the image may end inside one.
+        let start = off / 4096;
+        let end = (off + buf.len() as u64).div_ceil(4096);
+        let mut blocks = vec![0u8; ((end - start) * 4096) as usize];
+        view.read_blocks(start, &mut blocks)
+            .map_err(std::io::Error::other)?;
+        let skip = (off - start * 4096) as usize;
+        buf.copy_from_slice(&blocks[skip..skip + buf.len()]);
+        Ok(())
+    };
+    match m {
+        Some(m) => {
+            if size != m.new.size {
+                bail!(
+                    "{}: the update makes an image of {} bytes, but {size} were asked for",
+                    cow_path.display(),
+                    m.new.size
+                );
+            }
+            let found = m
+                .new
+                .first_mismatch(&read, &cow_path, size, |_| true)
+                .with_context(|| format!("decode every op of {}", cow_path.display()))?;
+            if let Some(mismatch) = found {
+                bail!(
+                    "{} + {} does not make the new image the update promises: {mismatch}; \
+                     the COW is corrupt (nothing was written)",
+                    base_path.display(),
+                    cow_path.display()
+                );
+            }
+        }
+        None => {
+            // No hashes to compare with: at least every op must decode.
+            use rayon::prelude::*;
+            const CHUNK: u64 = 1 << 20;
+            (0..size.div_ceil(CHUNK))
+                .into_par_iter()
+                .try_for_each_init(
+                    || vec![0u8; CHUNK as usize],
+                    |buf, c| {
+                        let off = c * CHUNK;
+                        let n = (size - off).min(CHUNK) as usize;
+                        read(off, &mut buf[..n])
+                    },
+                )
+                .with_context(|| format!("decode every op of {}", cow_path.display()))?;
+        }
+    }
+    Ok(size)
+}

@@ -1,0 +1,333 @@
+//! Nothing wrong is ever written or served: a wrong base, a corrupt or undecodable
+//! payload, a COW already merged elsewhere and an impossible merge state are each
+//! refused before the first byte is written, with an error naming the file and what
+//! differs, and the base left as it was.
+
+mod serve_common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use serve_common::{run_vabc, sha256_file, vabc};
+
+/// An 8 MiB old image of compressible, varied text and a new one with ~100 blocks
+/// changed in place and 64 KiB moved; the update made with `vabc diff` (and its
+/// manifest) in `codec`.
+fn update(dir: &Path, codec: &str) -> (PathBuf, PathBuf, PathBuf) {
+    let mut rng = fastrand::Rng::with_seed(7);
+    let words = [
+        "alpha ", "beta ", "gamma ", "delta ", "epsilon ", "zeta\n", "eta ",
+    ];
+    let mut old = Vec::with_capacity(8 << 20);
+    while old.len() < 8 << 20 {
+        old.extend_from_slice(words[rng.usize(..words.len())].as_bytes());
+        if rng.u8(..) < 8 {
+            old.extend_from_slice(&rng.u64(..).to_le_bytes());
+        }
+    }
+    old.truncate(8 << 20);
+    let mut new = old.clone();
+    for _ in 0..100 {
+        let b = rng.usize(..2048) * 4096;
+        let len = rng.usize(16..4096);
+        for x in &mut new[b..b + len] {
+            *x = rng.u8(b'a'..=b'z');
+        }
+    }
+    new.copy_within(1 << 20..(1 << 20) + (64 << 10), 5 << 20);
+    let (o, n, c) = (dir.join("old.img"), dir.join("new.img"), dir.join("u.cow"));
+    std::fs::write(&o, &old).unwrap();
+    std::fs::write(&n, &new).unwrap();
+    let out = run_vabc(&[
+        "diff",
+        o.to_str().unwrap(),
+        n.to_str().unwrap(),
+        "-o",
+        c.to_str().unwrap(),
+        "--compression",
+        codec,
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(dir.join("u.cow.manifest").exists());
+    (o, n, c)
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Runs a command that must fail (a serve that would otherwise run until stopped):
+/// waits up to 60 s, then kills it and fails the test.
+fn must_fail(args: &[&str]) -> Output {
+    let mut child = Command::new(vabc())
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("vabc {args:?} is still running after 60 s: it should have refused");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let o = child.wait_with_output().unwrap();
+    assert!(!o.status.success(), "vabc {args:?} succeeded");
+    o
+}
+
+/// The first REPLACE op's payload offset and length, from `inspect --ops --json`.
+fn replace_payload(cow: &Path) -> (u64, u64) {
+    let o = run_vabc(&["inspect", s(cow), "--ops", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let op = v["ops"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|op| op["type"] == "REPLACE")
+        .expect("a REPLACE op");
+    (
+        op["data_offset"].as_u64().unwrap(),
+        op["data_length"].as_u64().unwrap(),
+    )
+}
+
+fn poke(path: &Path, offset: u64, bytes: &[u8]) {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+    f.write_all_at(bytes, offset).unwrap();
+}
+
+fn header_size(cow: &Path) -> u64 {
+    let o = run_vabc(&["inspect", s(cow), "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    v["header"]["header_size"].as_u64().unwrap()
+}
+
+#[test]
+fn a_wrong_base_is_refused_by_apply_merge_serve_and_check() {
+    let d = tempfile::tempdir().unwrap();
+    let (old, new, cow) = update(d.path(), "zstd");
+    let out = d.path().join("out.img");
+    // The new image given as the base.
+    let o = must_fail(&["apply", "--base", s(&new), "--cow", s(&cow), "-o", s(&out)]);
+    let e = stderr(&o);
+    assert!(
+        e.contains(s(&new)) && e.contains("is not the image this update was made for"),
+        "{e}"
+    );
+    assert!(e.contains("bytes 0..4194304"), "names the region: {e}");
+    assert!(!out.exists());
+    let base = d.path().join("base.img");
+    std::fs::copy(&new, &base).unwrap();
+    let before = sha256_file(&base);
+    let e = stderr(&must_fail(&["merge", "--base", s(&base), "--cow", s(&cow)]));
+    assert!(
+        e.contains("is not the image this update was made for"),
+        "{e}"
+    );
+    assert_eq!(sha256_file(&base), before, "merge wrote to a wrong base");
+    let sock = d.path().join("nbd.sock");
+    let e = stderr(&must_fail(&[
+        "serve",
+        "--base",
+        s(&base),
+        "--cow",
+        s(&cow),
+        "--nbd",
+        &format!("unix:{}", s(&sock)),
+    ]));
+    assert!(
+        e.contains("is not the image this update was made for"),
+        "{e}"
+    );
+    let o = must_fail(&["inspect", s(&cow), "--check", "--base", s(&base)]);
+    assert!(stderr(&o).contains("is not the image"), "{}", stderr(&o));
+    // Arguments swapped at diff time: the update is for NEW, and says so.
+    let swapped = d.path().join("swapped.cow");
+    assert!(
+        run_vabc(&["diff", s(&new), s(&old), "-o", s(&swapped)])
+            .status
+            .success()
+    );
+    let e = stderr(&must_fail(&[
+        "apply",
+        "--base",
+        s(&old),
+        "--cow",
+        s(&swapped),
+        "-o",
+        s(&out),
+    ]));
+    assert!(
+        e.contains("is not the image this update was made for"),
+        "{e}"
+    );
+    // The right base still works, and --no-base-check is the explicit way around.
+    let o = run_vabc(&["apply", "--base", s(&old), "--cow", s(&cow), "-o", s(&out)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(sha256_file(&out), sha256_file(&new));
+    let o = run_vabc(&[
+        "apply",
+        "--base",
+        s(&new),
+        "--cow",
+        s(&cow),
+        "-o",
+        s(&out),
+        "--no-base-check",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
+#[test]
+fn a_corrupt_payload_is_caught_before_anything_is_written() {
+    let d = tempfile::tempdir().unwrap();
+    // Uncompressed payloads: a flipped byte still decodes, to wrong data.
+    let (old, _new, cow) = update(d.path(), "none");
+    let (off, len) = replace_payload(&cow);
+    poke(&cow, off + len / 2, &[0xde, 0xad, 0xbe, 0xef]);
+    let o = must_fail(&["inspect", s(&cow), "--check", "--base", s(&old)]);
+    assert!(
+        stderr(&o).contains("does not make the new image"),
+        "{}",
+        stderr(&o)
+    );
+    let out = d.path().join("out.img");
+    let e = stderr(&must_fail(&[
+        "apply",
+        "--base",
+        s(&old),
+        "--cow",
+        s(&cow),
+        "-o",
+        s(&out),
+    ]));
+    assert!(
+        e.contains("does not make the new image") && e.contains("bytes"),
+        "{e}"
+    );
+    assert!(!out.exists(), "apply left a wrong image");
+    let leftovers: Vec<_> = std::fs::read_dir(d.path())
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".tmp"))
+        .collect();
+    assert!(leftovers.is_empty(), "temporary files left: {leftovers:?}");
+    let base = d.path().join("base.img");
+    std::fs::copy(&old, &base).unwrap();
+    let before = sha256_file(&base);
+    let e = stderr(&must_fail(&["merge", "--base", s(&base), "--cow", s(&cow)]));
+    assert!(e.contains("does not make the new image"), "{e}");
+    assert_eq!(sha256_file(&base), before, "merge wrote a corrupt payload");
+}
+
+#[test]
+fn an_undecodable_payload_never_touches_the_base_even_without_a_manifest() {
+    for codec in ["zstd", "lz4", "gz"] {
+        let d = tempfile::tempdir().unwrap();
+        let (old, _new, cow) = update(d.path(), codec);
+        std::fs::remove_file(d.path().join("u.cow.manifest")).unwrap();
+        let (off, len) = replace_payload(&cow);
+        poke(&cow, off, &vec![0xff; len.min(64) as usize]);
+        let o = must_fail(&["inspect", s(&cow), "--check"]);
+        assert!(stderr(&o).contains("decode"), "{codec}: {}", stderr(&o));
+        let base = d.path().join("base.img");
+        std::fs::copy(&old, &base).unwrap();
+        let before = sha256_file(&base);
+        let o = must_fail(&["merge", "--base", s(&base), "--cow", s(&cow)]);
+        assert!(stderr(&o).contains(s(&cow)), "{codec}: {}", stderr(&o));
+        assert_eq!(
+            sha256_file(&base),
+            before,
+            "{codec}: merge touched the base"
+        );
+    }
+}
+
+#[test]
+fn a_merged_cow_is_used_up() {
+    let d = tempfile::tempdir().unwrap();
+    let (old, new, cow) = update(d.path(), "lz4");
+    let a = d.path().join("a.img");
+    std::fs::copy(&old, &a).unwrap();
+    let o = run_vabc(&["merge", "--base", s(&a), "--cow", s(&cow)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(sha256_file(&a), sha256_file(&new));
+    let o = run_vabc(&["inspect", s(&cow), "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["merge_complete"], true);
+    assert!(v["merge_state"].as_str().unwrap().starts_with("complete"));
+    // Again on the merged base: nothing to do, and it says so.
+    let o = run_vabc(&["merge", "--base", s(&a), "--cow", s(&cow)]);
+    assert!(stderr(&o).contains("already complete"), "{}", stderr(&o));
+    // Another device's old image: refused, untouched.
+    let b = d.path().join("b.img");
+    std::fs::copy(&old, &b).unwrap();
+    let e = stderr(&must_fail(&["merge", "--base", s(&b), "--cow", s(&cow)]));
+    assert!(e.contains("merged COW is used up"), "{e}");
+    assert_eq!(sha256_file(&b), sha256_file(&old));
+    let sock = d.path().join("nbd.sock");
+    let e = stderr(&must_fail(&[
+        "serve",
+        "--base",
+        s(&b),
+        "--cow",
+        s(&cow),
+        "--nbd",
+        &format!("unix:{}", s(&sock)),
+    ]));
+    assert!(e.contains("merged COW is used up"), "{e}");
+}
+
+#[test]
+fn apply_refuses_a_merge_killed_inside_its_first_window() {
+    let d = tempfile::tempdir().unwrap();
+    let (old, _new, cow) = update(d.path(), "lz4");
+    // Counter still 0, but the first window published (state byte 2, STATE_DONE):
+    // base blocks may already be overwritten.
+    poke(&cow, header_size(&cow), &[2]);
+    let out = d.path().join("out.img");
+    let e = stderr(&must_fail(&[
+        "apply",
+        "--base",
+        s(&old),
+        "--cow",
+        s(&cow),
+        "-o",
+        s(&out),
+    ]));
+    assert!(e.contains("in progress"), "{e}");
+    assert!(!out.exists());
+}
+
+#[test]
+fn a_merge_counter_past_the_op_count_is_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let (old, _new, cow) = update(d.path(), "lz4");
+    poke(&cow, 26, &1_000_000u64.to_le_bytes());
+    let sock = d.path().join("nbd.sock");
+    let e = stderr(&must_fail(&[
+        "serve",
+        "--base",
+        s(&old),
+        "--cow",
+        s(&cow),
+        "--nbd",
+        &format!("unix:{}", s(&sock)),
+    ]));
+    assert!(e.contains("num_merge_ops 1000000 exceeds"), "{e}");
+    let e = stderr(&must_fail(&["inspect", s(&cow)]));
+    assert!(e.contains("exceeds"), "{e}");
+}
