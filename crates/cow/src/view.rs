@@ -143,11 +143,14 @@ impl<'a> SnapshotView<'a> {
     }
 
     /// Write the whole new image to `out` (which must be empty or sized by
-    /// the caller), in parallel 1 MiB chunks. `progress` gets byte counts.
+    /// the caller), in parallel 1 MiB chunks. `progress` gets byte counts. With
+    /// `sparse`, chunks of zeros are not written: `out` must be a fresh file
+    /// already extended to the image's size, whose holes read as zeros.
     pub fn write_to(
         &self,
         out: &File,
         out_path: &Path,
+        sparse: bool,
         progress: &(dyn Fn(u64) + Sync),
     ) -> Result<()> {
         const CHUNK: u64 = 1 << 20;
@@ -161,8 +164,11 @@ impl<'a> SnapshotView<'a> {
                 let blocks = len.div_ceil(BLOCK_SIZE_U64) as usize;
                 let b = &mut buf[..blocks * BLOCK_SIZE];
                 self.read_blocks(off / BLOCK_SIZE_U64, b)?;
-                out.write_all_at(&b[..len as usize], off)
-                    .map_err(io_err(out_path, "write", off))?;
+                let data = &b[..len as usize];
+                if !(sparse && data.iter().all(|&x| x == 0)) {
+                    out.write_all_at(data, off)
+                        .map_err(io_err(out_path, "write", off))?;
+                }
                 progress(done.fetch_add(len, Ordering::Relaxed) + len);
                 Ok(())
             },

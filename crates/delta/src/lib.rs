@@ -115,6 +115,9 @@ pub trait Progress: Sync {
     fn start(&self, _phase: &'static str, _total: u64) {}
     fn advance(&self, _n: u64) {}
     fn finish(&self) {}
+    /// The output is being written to this temporary file until it is complete (a
+    /// caller that handles signals can delete it if interrupted).
+    fn temp_file(&self, _path: &std::path::Path) {}
 }
 
 /// A [`Progress`] that reports nothing.

@@ -222,6 +222,7 @@ pub fn write_cow(
             source,
         })?;
     let tmp_path = tmp.path().to_path_buf();
+    progress.temp_file(&tmp_path);
 
     let wopts = WriterOptions {
         version: opts.version,

@@ -18,6 +18,16 @@
 //! 1 MiB request at a time copied a cold 1 GiB image in 0.59-0.67 s instead of 1.64 s.
 //! Requests waiting for a worker are counted into it, so that it steps aside for
 //! clients that keep many requests outstanding.
+//!
+//! What one client can cost the others is bounded: at most
+//! [`NbdOptions::max_inflight_bytes`] of reads per connection are queued or being read
+//! (the connection's thread stops reading requests until replies drain, which pushes
+//! back on the client through the socket), a connection that hangs up or cannot be
+//! written to has its queued reads dropped unread, and at most
+//! [`NbdOptions::max_connections`] connections are served at once. A Unix socket is
+//! created with mode 0600 (owner only) unless asked otherwise; a TCP listener on a
+//! wildcard address is warned about, since NBD has no authentication and this server
+//! has no TLS.
 
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -155,6 +165,13 @@ pub struct NbdOptions {
     pub readahead: Option<ReadaheadOptions>,
     /// Where the time of each READ, from its arrival to its reply, is recorded.
     pub latency: Arc<trace::Histogram>,
+    /// Connections served at once; more are closed as they arrive.
+    pub max_connections: usize,
+    /// Bytes of reads one connection may have queued or in progress (a single larger
+    /// request is still served, alone).
+    pub max_inflight_bytes: u64,
+    /// Permissions of a Unix socket.
+    pub socket_mode: u32,
 }
 
 impl Default for NbdOptions {
@@ -164,6 +181,11 @@ impl Default for NbdOptions {
             workers: 16,
             readahead: Some(ReadaheadOptions::default()),
             latency: Arc::default(),
+            max_connections: 16,
+            // nbdcopy's defaults (64 requests of 1 MiB per connection) fit; four
+            // requests of the largest size, MAX_REQUEST, do too.
+            max_inflight_bytes: 128 << 20,
+            socket_mode: 0o600,
         }
     }
 }
@@ -235,12 +257,32 @@ fn write_all_vectored(w: &mut impl Write, mut bufs: &mut [IoSlice<'_>]) -> io::R
 /// The sending half of a connection, shared by the workers answering its requests.
 struct Conn {
     writer: Mutex<Stream>,
+    /// The client is gone (hung up, or a reply could not be written): its queued reads
+    /// are dropped unread.
     broken: AtomicBool,
     /// The client asked for structured replies: READs must get them.
     structured: bool,
+    /// Bytes of reads queued or being read, and the signal that some finished.
+    inflight: Mutex<u64>,
+    drained: std::sync::Condvar,
 }
 
 impl Conn {
+    /// Waits until a read of `len` bytes fits in the connection's budget, then takes it.
+    fn reserve(&self, len: u64, max: u64) {
+        let mut n = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
+        while *n > 0 && *n + len > max && !self.broken.load(Ordering::Relaxed) {
+            n = self.drained.wait(n).unwrap_or_else(|p| p.into_inner());
+        }
+        *n += len;
+    }
+
+    fn release(&self, len: u64) {
+        let mut n = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
+        *n = n.saturating_sub(len);
+        self.drained.notify_all();
+    }
+
     /// A simple reply.
     fn reply(&self, cookie: u64, error: u32, data: &[u8]) {
         let mut hdr = [0u8; 16];
@@ -335,6 +377,11 @@ impl Shared {
                     if let Some(ra) = &readahead {
                         ra.queued().fetch_sub(1, Ordering::Relaxed);
                     }
+                    if job.conn.broken.load(Ordering::Relaxed) {
+                        // Nobody to answer: do not read for a client that is gone.
+                        job.conn.release(u64::from(job.len));
+                        return;
+                    }
                     let out = buf.slice_mut(job.len as usize);
                     let result = read_then(&*dev, readahead.as_deref(), out, job.offset, |data| {
                         job.conn.read_reply(job.cookie, job.offset, 0, data)
@@ -347,6 +394,7 @@ impl Shared {
                         job.conn
                             .read_reply(job.cookie, job.offset, e.errno() as u32, &[]);
                     }
+                    job.conn.release(u64::from(job.len));
                     latency.record_since(job.received);
                 },
             )
@@ -385,14 +433,36 @@ impl NbdServer {
         let listener = match addr {
             NbdAddr::Unix(path) => {
                 remove_stale_socket(path)?;
-                Listener::Unix(
-                    UnixListener::bind(path).map_err(io_err("bind NBD socket", path))?,
-                    path.clone(),
+                // Created owner-only whatever the umask, so that no other user can
+                // connect between bind and chmod; then given the mode asked for.
+                // SAFETY: umask has no preconditions; it is restored right after.
+                let old = unsafe { libc::umask(0o177) };
+                let bound = UnixListener::bind(path);
+                // SAFETY: as above.
+                unsafe { libc::umask(old) };
+                let l = bound.map_err(io_err("bind NBD socket", path))?;
+                if opts.socket_mode != 0o600 {
+                    use std::os::unix::fs::PermissionsExt;
+                    std::fs::set_permissions(
+                        path,
+                        std::fs::Permissions::from_mode(opts.socket_mode),
+                    )
+                    .map_err(io_err("set the mode of NBD socket", path))?;
+                }
+                Listener::Unix(l, path.clone())
+            }
+            NbdAddr::Tcp(a) => {
+                if a.ip().is_unspecified() {
+                    eprintln!(
+                        "vabc serve: warning: NBD on {a} accepts connections on every \
+                         network interface, without authentication or encryption: anyone \
+                         who can reach this host can read the image"
+                    );
+                }
+                Listener::Tcp(
+                    TcpListener::bind(a).map_err(io_err("bind NBD address", a.to_string()))?,
                 )
             }
-            NbdAddr::Tcp(a) => Listener::Tcp(
-                TcpListener::bind(a).map_err(io_err("bind NBD address", a.to_string()))?,
-            ),
         };
         let addr = match &listener {
             Listener::Tcp(l) => {
@@ -493,6 +563,15 @@ fn accept_loop(listener: Listener, shared: Arc<Shared>, wake: RawFd) {
             }),
         };
         let Ok(stream) = stream else { continue };
+        threads.retain(|t| !t.is_finished());
+        if threads.len() >= shared.opts.max_connections {
+            eprintln!(
+                "vabc serve: NBD: {} connections already; refusing another",
+                threads.len()
+            );
+            stream.shutdown();
+            continue;
+        }
         let id = next_id;
         next_id += 1;
         if let Ok(c) = stream.try_clone() {
@@ -503,7 +582,6 @@ fn accept_loop(listener: Listener, shared: Arc<Shared>, wake: RawFd) {
                 .push((id, c));
         }
         let sh = shared.clone();
-        threads.retain(|t| !t.is_finished());
         match std::thread::Builder::new()
             .name(format!("vabc-nbd-conn-{id}"))
             .spawn(move || {
@@ -784,7 +862,27 @@ fn serve_connection(sh: &Arc<Shared>, mut s: Stream) -> io::Result<()> {
         writer: Mutex::new(s.try_clone()?),
         broken: AtomicBool::new(false),
         structured: session.structured,
+        inflight: Mutex::new(0),
+        drained: std::sync::Condvar::new(),
     });
+    let r = transmission(sh, &mut s, &conn, session);
+    // Hung up or failed (not DISC, which returns Ok after the last request): whatever
+    // it still has queued is read for nobody.
+    if !matches!(r, Ok(true)) {
+        conn.broken.store(true, Ordering::Relaxed);
+        conn.drained.notify_all();
+    }
+    r.map(|_| ())
+}
+
+/// The transmission phase: requests until DISC (`Ok(true)`), EOF (`Ok(false)`) or an
+/// error.
+fn transmission(
+    sh: &Arc<Shared>,
+    s: &mut Stream,
+    conn: &Arc<Conn>,
+    session: Session,
+) -> io::Result<bool> {
     let size = sh.dev.size();
     let mut hdr = [0u8; 28];
     let mut sink = vec![0u8; 64 << 10];
@@ -794,7 +892,7 @@ fn serve_connection(sh: &Arc<Shared>, mut s: Stream) -> io::Result<()> {
             return if e.kind() == io::ErrorKind::UnexpectedEof
                 || conn.broken.load(Ordering::Relaxed)
             {
-                Ok(())
+                Ok(false)
             } else {
                 Err(e)
             };
@@ -818,6 +916,7 @@ fn serve_connection(sh: &Arc<Shared>, mut s: Stream) -> io::Result<()> {
                 } else if len == 0 {
                     conn.read_reply(cookie, offset, 0, &[]);
                 } else {
+                    conn.reserve(u64::from(len), sh.opts.max_inflight_bytes);
                     let job = ReadJob {
                         conn: conn.clone(),
                         cookie,
@@ -833,6 +932,7 @@ fn serve_connection(sh: &Arc<Shared>, mut s: Stream) -> io::Result<()> {
                         if let Some(q) = queued {
                             q.fetch_sub(1, Ordering::Relaxed);
                         }
+                        conn.release(u64::from(len));
                         conn.read_reply(cookie, offset, libc::ESHUTDOWN as u32, &[]);
                     }
                 }
@@ -851,9 +951,9 @@ fn serve_connection(sh: &Arc<Shared>, mut s: Stream) -> io::Result<()> {
                 let err = sh.dev.flush().err().map_or(0, |e| e.errno() as u32);
                 conn.reply(cookie, err, &[]);
             }
-            CMD_BLOCK_STATUS => block_status(sh, &conn, session, cookie, flags, offset, len),
+            CMD_BLOCK_STATUS => block_status(sh, conn, session, cookie, flags, offset, len),
             // Outstanding reads finish on the workers, which hold `conn` until replied.
-            CMD_DISC => return Ok(()),
+            CMD_DISC => return Ok(true),
             _ => conn.reply(cookie, libc::EINVAL as u32, &[]),
         }
     }
@@ -960,6 +1060,133 @@ pub(crate) fn greeting() -> [u8; 18] {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::AtomicU64;
+    use std::time::{Duration, Instant};
+
+    /// A device that takes 10 ms per MiB read (at least 1 ms a read) and counts bytes.
+    struct Slow {
+        read: AtomicU64,
+    }
+
+    impl BlockDevice for Slow {
+        fn size(&self) -> u64 {
+            1 << 30
+        }
+        fn read_at(&self, buf: &mut [u8], _offset: u64) -> engine::Result<()> {
+            std::thread::sleep(Duration::from_millis(1 + 10 * (buf.len() as u64 >> 20)));
+            self.read.fetch_add(buf.len() as u64, Ordering::Relaxed);
+            buf.fill(7);
+            Ok(())
+        }
+    }
+
+    /// Fixed-newstyle handshake with OPT_EXPORT_NAME; the client is then transmitting.
+    fn connect(path: &Path) -> UnixStream {
+        let mut c = UnixStream::connect(path).unwrap();
+        let mut greet = [0u8; 18];
+        c.read_exact(&mut greet).unwrap();
+        c.write_all(&(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).to_be_bytes())
+            .unwrap();
+        let mut opt = Vec::new();
+        opt.extend_from_slice(&IHAVEOPT.to_be_bytes());
+        opt.extend_from_slice(&OPT_EXPORT_NAME.to_be_bytes());
+        opt.extend_from_slice(&0u32.to_be_bytes());
+        c.write_all(&opt).unwrap();
+        let mut export = [0u8; 10];
+        c.read_exact(&mut export).unwrap();
+        c
+    }
+
+    fn read_request(cookie: u64, offset: u64, len: u32) -> [u8; 28] {
+        let mut r = [0u8; 28];
+        r[0..4].copy_from_slice(&REQUEST_MAGIC.to_be_bytes());
+        r[6..8].copy_from_slice(&CMD_READ.to_be_bytes());
+        r[8..16].copy_from_slice(&cookie.to_be_bytes());
+        r[16..24].copy_from_slice(&offset.to_be_bytes());
+        r[24..28].copy_from_slice(&len.to_be_bytes());
+        r
+    }
+
+    fn server(dir: &Path, dev: Arc<dyn BlockDevice>, opts: NbdOptions) -> (PathBuf, NbdHandle) {
+        let path = dir.join("nbd.sock");
+        let s = NbdServer::bind(&NbdAddr::Unix(path.clone()), dev, &opts).unwrap();
+        (path, s.spawn().unwrap())
+    }
+
+    #[test]
+    fn a_client_that_queues_huge_reads_and_hangs_up_costs_others_little() {
+        let dir = tempfile::tempdir().unwrap();
+        let dev = Arc::new(Slow {
+            read: AtomicU64::new(0),
+        });
+        let opts = NbdOptions {
+            readahead: None,
+            ..NbdOptions::default()
+        };
+        let (path, h) = server(dir.path(), dev.clone(), opts);
+        // 2,000 reads of 32 MiB (64 GiB, 20 s of this device's time on 16 workers),
+        // sent from a thread: the server stops reading them once the connection's
+        // budget is queued, so the writes block until the hang-up.
+        let bad = connect(&path);
+        let mut w = bad.try_clone().unwrap();
+        let sender = std::thread::spawn(move || {
+            for i in 0..2000u64 {
+                if w.write_all(&read_request(i, 0, MAX_REQUEST)).is_err() {
+                    break;
+                }
+            }
+        });
+        std::thread::sleep(Duration::from_millis(200));
+        bad.shutdown(std::net::Shutdown::Both).unwrap();
+        drop(bad);
+        sender.join().unwrap();
+        let mut good = connect(&path);
+        let t = Instant::now();
+        good.write_all(&read_request(1, 4096, 4096)).unwrap();
+        let mut reply = vec![0u8; 16 + 4096];
+        good.read_exact(&mut reply).unwrap();
+        let waited = t.elapsed();
+        assert_eq!(&reply[16..], &[7u8; 4096][..]);
+        assert!(
+            waited < Duration::from_secs(2),
+            "a 4 KiB read took {waited:?}"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+        let read = dev.read.load(Ordering::Relaxed);
+        assert!(
+            read <= 8 * u64::from(MAX_REQUEST),
+            "read {read} bytes for a client that hung up"
+        );
+        h.stop();
+    }
+
+    #[test]
+    fn connections_are_limited_and_the_socket_is_owner_only() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let opts = NbdOptions {
+            readahead: None,
+            max_connections: 2,
+            ..NbdOptions::default()
+        };
+        // Under the most permissive umask.
+        // SAFETY: umask has no preconditions; restored below.
+        let old = unsafe { libc::umask(0) };
+        let (path, h) = server(dir.path(), Arc::new(crate::fuzzing::Pattern(1 << 20)), opts);
+        // SAFETY: as above.
+        unsafe { libc::umask(old) };
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        let _a = connect(&path);
+        let _b = connect(&path);
+        let mut c = UnixStream::connect(&path).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut buf = [0u8; 18];
+        let n = c.read(&mut buf).unwrap_or(0);
+        assert_eq!(n, 0, "a third connection was served");
+        h.stop();
+    }
+
     use super::*;
 
     #[test]

@@ -40,6 +40,19 @@ enum Command {
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
+    // Commands that write files: a signal removes their temporary files (serve handles
+    // its own signals, tearing down what it set up).
+    let note = match &cli.command {
+        Command::Merge(_) => Some("the merge is crash-safe: run the same command to resume"),
+        Command::Serve(_) => None,
+        _ => Some("no output was written"),
+    };
+    if let Some(note) = note
+        && let Err(e) = output::on_signal_remove_temps(note)
+    {
+        eprintln!("vabc: error: {}", error_chain(&e));
+        return std::process::ExitCode::FAILURE;
+    }
     let result = match cli.command {
         Command::Inspect(a) => cmd::inspect::run(a),
         Command::Apply(a) => cmd::apply::run(a),

@@ -1,8 +1,10 @@
 //! Outputs are written to a temporary file beside their destination and renamed over it
 //! only once complete and synced: an error never leaves a half-written output behind
-//! (the temporary file is deleted when dropped).
+//! (the temporary file is deleted when dropped), and neither does SIGINT, SIGTERM or
+//! SIGHUP ([`on_signal_remove_temps`]).
 
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 use anyhow::{Context, Result};
 use tempfile::NamedTempFile;
@@ -18,11 +20,48 @@ pub fn temp_beside(dest: &Path) -> Result<NamedTempFile> {
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    tempfile::Builder::new()
+    let tmp = tempfile::Builder::new()
         .prefix(&format!(".{name}."))
         .suffix(".tmp")
         .tempfile_in(&dir)
-        .with_context(|| format!("create a temporary file in {}", dir.display()))
+        .with_context(|| format!("create a temporary file in {}", dir.display()))?;
+    pending(tmp.path());
+    Ok(tmp)
+}
+
+/// Registers a temporary file made elsewhere (the COW writer's) for removal on a signal.
+pub fn pending(path: &Path) {
+    PENDING
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push(path.to_path_buf());
+}
+
+/// Temporary files not yet renamed into place (some may be gone already, deleted on an
+/// error): what a signal must remove.
+static PENDING: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
+/// On SIGINT, SIGTERM or SIGHUP: delete every pending temporary file, say so (with
+/// `note`, e.g. how to resume), and exit with 128 + the signal's number, as a shell
+/// reports a process killed by it.
+pub fn on_signal_remove_temps(note: &'static str) -> Result<()> {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP])
+        .context("install signal handlers")?;
+    std::thread::Builder::new()
+        .name("vabc-signals".into())
+        .spawn(move || {
+            if let Some(sig) = signals.forever().next() {
+                let pending = PENDING.lock().unwrap_or_else(|p| p.into_inner());
+                for p in pending.iter() {
+                    let _ = std::fs::remove_file(p);
+                }
+                eprintln!("vabc: interrupted; {note}");
+                std::process::exit(128 + sig);
+            }
+        })
+        .context("start the signal thread")?;
+    Ok(())
 }
 
 /// Syncs `tmp` and renames it to `dest`.
@@ -30,6 +69,10 @@ pub fn commit(tmp: NamedTempFile, dest: &Path) -> Result<()> {
     tmp.as_file()
         .sync_all()
         .with_context(|| format!("fsync {}", tmp.path().display()))?;
+    PENDING
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .retain(|p| p != tmp.path());
     tmp.persist(dest)
         .with_context(|| format!("rename the temporary file to {}", dest.display()))?;
     Ok(())

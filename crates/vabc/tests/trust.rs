@@ -331,3 +331,106 @@ fn a_merge_counter_past_the_op_count_is_refused() {
     let e = stderr(&must_fail(&["inspect", s(&cow)]));
     assert!(e.contains("exceeds"), "{e}");
 }
+
+#[test]
+fn apply_writes_zeros_as_holes_and_refuses_an_unbounded_size() {
+    use std::os::unix::fs::MetadataExt;
+    let d = tempfile::tempdir().unwrap();
+    // 64 MiB, all zeros but for a little text: the output must stay sparse.
+    let (old, new) = (d.path().join("old.img"), d.path().join("new.img"));
+    let f = std::fs::File::create(&old).unwrap();
+    f.set_len(64 << 20).unwrap();
+    drop(f);
+    std::fs::copy(&old, &new).unwrap();
+    poke(&new, 5 << 20, b"hello, sparse world");
+    let cow = d.path().join("u.cow");
+    assert!(
+        run_vabc(&["diff", s(&old), s(&new), "-o", s(&cow)])
+            .status
+            .success()
+    );
+    let out = d.path().join("out.img");
+    let o = run_vabc(&["apply", "--base", s(&old), "--cow", s(&cow), "-o", s(&out)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(sha256_file(&out), sha256_file(&new));
+    let md = std::fs::metadata(&out).unwrap();
+    assert!(
+        md.blocks() * 512 <= 2 << 20,
+        "{} bytes allocated for 64 MiB of mostly zeros",
+        md.blocks() * 512
+    );
+    // Without a manifest, an op that reaches past the base's end needs --size.
+    std::fs::remove_file(d.path().join("u.cow.manifest")).unwrap();
+    let short = d.path().join("short.img");
+    let f = std::fs::File::create(&short).unwrap();
+    f.set_len(4 << 20).unwrap();
+    drop(f);
+    let e = stderr(&must_fail(&[
+        "apply",
+        "--base",
+        s(&short),
+        "--cow",
+        s(&cow),
+        "-o",
+        s(&out),
+    ]));
+    assert!(
+        e.contains("past the end of the base") && e.contains("--size"),
+        "{e}"
+    );
+}
+
+#[test]
+fn sigterm_during_apply_leaves_no_temporary_file() {
+    let d = tempfile::tempdir().unwrap();
+    // 96 MiB of random data over a zero base, stored uncompressed: apply takes long
+    // enough to be interrupted while its temporary file exists.
+    let (old, new) = (d.path().join("old.img"), d.path().join("new.img"));
+    let f = std::fs::File::create(&old).unwrap();
+    f.set_len(96 << 20).unwrap();
+    drop(f);
+    let mut rng = fastrand::Rng::with_seed(3);
+    let data: Vec<u8> = (0..96 << 20).map(|_| rng.u8(..)).collect();
+    std::fs::write(&new, data).unwrap();
+    let cow = d.path().join("u.cow");
+    let o = run_vabc(&[
+        "diff",
+        s(&old),
+        s(&new),
+        "-o",
+        s(&cow),
+        "--compression",
+        "none",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = d.path().join("out.img");
+    let temps = || -> Vec<String> {
+        std::fs::read_dir(d.path())
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".tmp"))
+            .collect()
+    };
+    let mut child = Command::new(vabc())
+        .args(["apply", "--base", s(&old), "--cow", s(&cow), "-o", s(&out)])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while temps().is_empty() {
+        assert!(Instant::now() < deadline, "no temporary file appeared");
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "apply finished before it could be interrupted"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // SAFETY: sending SIGTERM to our own child process.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), None.or(Some(143)), "{}", stderr(&o));
+    assert!(stderr(&o).contains("interrupted"), "{}", stderr(&o));
+    assert!(temps().is_empty(), "left behind: {:?}", temps());
+    assert!(!out.exists());
+}

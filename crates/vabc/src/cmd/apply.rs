@@ -72,6 +72,17 @@ pub fn run(a: Args) -> Result<ExitCode> {
         );
     }
     let size = view.size();
+    if size > view.base_size() && a.size.is_none() && manifest.is_none() {
+        // Nothing says how large the new image is: an op past the base's end may be a
+        // damaged block number (a v3 op can name block 2^32-1, 16 TiB out).
+        bail!(
+            "{}: its ops reach byte {size}, past the end of the base ({} bytes), and no \
+             manifest gives the new image's size; give --size if the new image is that \
+             large",
+            a.cow.display(),
+            view.base_size()
+        );
+    }
     let bar = progress::bytes(size, "apply");
     let report = |done: u64| bar.set_position(done);
 
@@ -91,7 +102,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
                 a.output.display()
             );
         }
-        view.write_to(&out, &a.output, &report)?;
+        view.write_to(&out, &a.output, false, &report)?;
         out.sync_all()
             .with_context(|| format!("fsync {}", a.output.display()))?;
     } else {
@@ -100,7 +111,9 @@ pub fn run(a: Args) -> Result<ExitCode> {
         tmp.as_file()
             .set_len(size)
             .with_context(|| format!("cannot size {}", tmp.path().display()))?;
-        view.write_to(tmp.as_file(), tmp.path(), &report)?;
+        // Zeros stay holes: an image that is mostly empty (or an op that names a far
+        // block) costs no disk space for them.
+        view.write_to(tmp.as_file(), tmp.path(), true, &report)?;
         if let Some(m) = &manifest {
             // Before the rename: a corrupt COW must not leave a wrong image behind.
             let found = m

@@ -133,6 +133,9 @@ struct Bar {
 }
 
 impl Progress for Bar {
+    fn temp_file(&self, path: &Path) {
+        crate::output::pending(path);
+    }
     fn start(&self, phase: &'static str, total: u64) {
         if !self.on {
             return;

@@ -77,6 +77,13 @@ pub struct Args {
     /// ublk queue depth: requests in flight per queue.
     #[arg(long, default_value_t = 64, requires = "ublk")]
     pub ublk_depth: u16,
+    /// NBD: connections served at once; more are refused.
+    #[arg(long, default_value_t = 16, value_name = "N", requires = "nbd")]
+    pub nbd_max_connections: usize,
+    /// NBD: permissions of the unix: socket, octal (default 600: only its owner may
+    /// connect, and so read the whole image).
+    #[arg(long, value_name = "OCTAL", value_parser = parse_mode, requires = "nbd")]
+    pub nbd_socket_mode: Option<u32>,
     /// NBD export name (clients asking for the default export "" get it too).
     #[arg(long, default_value = "vabc")]
     pub export_name: String,
@@ -205,6 +212,13 @@ fn parse_size(s: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("invalid size {s:?}"))
 }
 
+fn parse_mode(s: &str) -> Result<u32, String> {
+    u32::from_str_radix(s, 8)
+        .ok()
+        .filter(|m| *m <= 0o777)
+        .ok_or_else(|| format!("invalid mode {s:?}: expected octal digits such as 600"))
+}
+
 fn parse_fstype(s: &str) -> Result<FsType, String> {
     s.parse()
 }
@@ -308,6 +322,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                 workers: args.workers,
                 latency: stats.nbd.clone(),
                 readahead: readahead.clone(),
+                max_connections: args.nbd_max_connections.max(1),
+                socket_mode: args.nbd_socket_mode.unwrap_or(0o600),
+                ..NbdOptions::default()
             };
             let server = NbdServer::bind(addr, dev.clone(), &nbd_opts)?;
             let uri = server.addr().to_string();

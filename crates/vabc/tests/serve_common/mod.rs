@@ -294,6 +294,13 @@ impl Server {
         self.child.as_ref().unwrap().id() as i32
     }
 
+    /// Sends SIGKILL (no tear-down) and reaps the process.
+    pub fn kill(mut self) -> std::process::ExitStatus {
+        let mut child = self.child.take().unwrap();
+        let _ = child.kill();
+        child.wait().unwrap()
+    }
+
     /// Sends SIGTERM and returns the exit status.
     pub fn stop(mut self) -> std::process::ExitStatus {
         let mut child = self.child.take().unwrap();
