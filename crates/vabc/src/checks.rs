@@ -6,8 +6,10 @@
 //! * merge not started: the old image, every region;
 //! * merge complete: the new image, every region (so a COW merged into one device is
 //!   refused for another device's old image instead of "merging" nothing);
-//! * merge in progress: the regions no op writes must still match (the others hold a
-//!   mix of old and new blocks that no whole-region hash describes).
+//! * merge in progress: a region no op writes must match (old and new agree there), a
+//!   region written only by ops the counter says are merged must be the new image's,
+//!   and the others, holding a mix of old and new blocks, cannot be checked. So a
+//!   counter damaged into "half merged" on an unmerged base is caught too.
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -82,15 +84,26 @@ pub fn check_base(
         Progress::Complete { .. } => (&m.new, "the new image (this COW's merge is complete)"),
         _ => (&m.base, "the image this update was made for"),
     };
-    let touched = match progress {
-        Progress::InProgress { .. } => written_regions(cow, want.region_size),
-        _ => Vec::new(),
+    let (regions, merged) = match progress {
+        Progress::InProgress { merged, .. } => (written_regions(cow, want.region_size)?, merged),
+        _ => (Vec::new(), 0),
     };
+    let state = |r: usize| regions.get(r).copied().unwrap_or_default();
+    // Untouched regions, against the old image (every region unless mid-merge).
     let found = want
-        .first_mismatch(base, base_path, size, |r| {
-            touched.get(r).is_none_or(|&t| !t)
-        })
+        .first_mismatch(base, base_path, size, |r| state(r).first.is_none())
         .with_context(|| format!("check the base {}", base_path.display()))?;
+    // Mid-merge: regions whose every writer is merged, against the new image.
+    let found = match found {
+        Some(f) => Some(f),
+        None if merged > 0 => m
+            .new
+            .first_mismatch(base, base_path, size, |r| {
+                state(r).last.is_some_and(|last| last < merged)
+            })
+            .with_context(|| format!("check the base {}", base_path.display()))?,
+        None => None,
+    };
     if let Some(mismatch) = found {
         let hint = match progress {
             Progress::Complete { .. } => {
@@ -103,21 +116,31 @@ pub fn check_base(
     Ok(())
 }
 
-/// Per region: whether some op writes a block in it.
-fn written_regions(cow: &CowReader, region_size: u64) -> Vec<bool> {
-    let mut out = Vec::new();
-    for op in cow.ops() {
+/// Which ops (by merge position) write a region: the first and the last.
+#[derive(Clone, Copy, Default)]
+struct Writers {
+    first: Option<u64>,
+    last: Option<u64>,
+}
+
+fn written_regions(cow: &CowReader, region_size: u64) -> Result<Vec<Writers>> {
+    let mut out: Vec<Writers> = Vec::new();
+    for (pos, i) in cow.merge_order()?.into_iter().enumerate() {
+        let op = &cow.ops()[i];
         let (a, b) = (op.new_block * 4096, op.end_block() * 4096);
         let (ra, rb) = (a / region_size, b.saturating_sub(1) / region_size);
         for r in ra..=rb {
             let r = r as usize;
             if out.len() <= r {
-                out.resize(r + 1, false);
+                out.resize(r + 1, Writers::default());
             }
-            out[r] = true;
+            let w = &mut out[r];
+            let pos = pos as u64;
+            w.first = Some(w.first.map_or(pos, |f| f.min(pos)));
+            w.last = Some(w.last.map_or(pos, |l| l.max(pos)));
         }
     }
-    out
+    Ok(out)
 }
 
 /// Decodes every op through the snapshot view (base + COW) and, with a manifest,

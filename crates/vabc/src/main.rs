@@ -34,6 +34,8 @@ enum Command {
     Avb(cmd::avb::Args),
     /// Serve the new image (base + COW) through FUSE, a read-only mount, NBD or ublk.
     Serve(Box<cmd::serve::Args>),
+    /// Write the manifest (which base, which result) of a COW made by another tool.
+    Manifest(cmd::manifest::Args),
     /// Remove what killed `vabc serve` daemons left behind (mounts, loop and ublk devices).
     Cleanup(cmd::cleanup::Args),
 }
@@ -62,6 +64,7 @@ fn main() -> std::process::ExitCode {
         Command::Avb(a) => cmd::avb::run(a),
         Command::Serve(a) => cmd::serve::run(*a),
         Command::Cleanup(a) => cmd::cleanup::run(a),
+        Command::Manifest(a) => cmd::manifest::run(a),
     };
     match result {
         Ok(code) => code,

@@ -434,3 +434,24 @@ fn sigterm_during_apply_leaves_no_temporary_file() {
     assert!(temps().is_empty(), "left behind: {:?}", temps());
     assert!(!out.exists());
 }
+
+/// A counter damaged into "half merged" on an unmerged base: refused before writing
+/// where a region's writers all lie on one side of the counter, else caught by the
+/// check of the result; never a success.
+#[test]
+fn a_merge_counter_damaged_to_half_merged_never_succeeds() {
+    let d = tempfile::tempdir().unwrap();
+    let (old, _new, cow) = update(d.path(), "lz4");
+    let o = run_vabc(&["inspect", s(&cow), "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let total = v["ops_total"].as_u64().unwrap();
+    poke(&cow, 26, &(total / 2).to_le_bytes());
+    let base = d.path().join("base.img");
+    std::fs::copy(&old, &base).unwrap();
+    let e = stderr(&must_fail(&["merge", "--base", s(&base), "--cow", s(&cow)]));
+    assert!(
+        e.contains("is not the image this update was made for")
+            || e.contains("the merge is complete but the base is not the new image"),
+        "{e}"
+    );
+}

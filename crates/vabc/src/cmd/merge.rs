@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use cow::CowReader;
 use merge::{Merge, MergeIo, MergeOptions, SyncIo, UringIo};
 
@@ -154,6 +154,22 @@ pub fn run(a: Args) -> Result<ExitCode> {
     let report = m.run(io.as_mut(), &|done, _| bar.set_position(done))?;
     let secs = t.elapsed().as_secs_f64();
     bar.finish_and_clear();
+    // A resumed merge trusted the COW's record of what was already merged; check the
+    // result it claims (cheap next to the merge: region hashes of the base).
+    if report.complete()
+        && let Some(m) = &manifest
+    {
+        let base = std::fs::File::open(&a.base)
+            .with_context(|| format!("cannot open {}", a.base.display()))?;
+        if let Some(mismatch) = m.new.first_mismatch(&base, &a.base, base_size, |_| true)? {
+            bail!(
+                "{}: the merge is complete but the base is not the new image: {mismatch}; \
+                 the merge progress recorded in {} did not match the base",
+                a.base.display(),
+                a.cow.display()
+            );
+        }
+    }
     if a.json {
         let v = serde_json::json!({
             "base": a.base.display().to_string(),

@@ -3,6 +3,7 @@ pub mod avb;
 pub mod cleanup;
 pub mod diff;
 pub mod inspect;
+pub mod manifest;
 pub mod merge;
 pub mod serve;
 pub mod verity;
