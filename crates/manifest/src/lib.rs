@@ -23,6 +23,27 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+/// The body of the `manifest_parse` fuzz target, replayed over its corpus by
+/// `cargo test`.
+#[doc(hidden)]
+pub mod fuzzing {
+    /// Parses `data` as manifest text: an error is fine, a panic or an accepted
+    /// manifest that does not survive a round trip is not.
+    pub fn exercise_parse(data: &[u8]) {
+        let path = std::path::Path::new("fuzz.manifest");
+        let Ok(text) = std::str::from_utf8(data) else {
+            return;
+        };
+        if let Ok(m) = super::Manifest::parse(text, path) {
+            let again = super::Manifest::parse(&m.to_json(), path);
+            assert_eq!(again.ok().as_ref(), Some(&m), "round trip");
+            for pos in 0..m.cow_ops.min(4) {
+                let _ = m.merged_op_hash(pos);
+            }
+        }
+    }
+}
+
 /// Bytes hashed per region.
 pub const REGION_SIZE: u64 = 4 << 20;
 /// The manifest format this build writes; it reads this and older ones.
@@ -244,6 +265,27 @@ pub struct Manifest {
     pub new: ImageId,
     /// The COW's op count, which ties the manifest to its COW.
     pub cow_ops: u64,
+    /// For each op in merge order, [`block_hash`] of the first block it writes, as it
+    /// is in the new image (16 hex digits each). A merge that resumes checks the ops
+    /// its COW says are merged against it, so a damaged progress record is caught
+    /// before anything is written.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub merged_op_hashes: Option<String>,
+}
+
+/// The hash of one 4 KiB block in [`Manifest::merged_op_hashes`] (xxh3-64: a check
+/// against damage, not against an adversary; the image hashes are sha256).
+pub fn block_hash(block: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(block)
+}
+
+impl Manifest {
+    /// The entry of op `position` (in merge order) in `merged_op_hashes`.
+    pub fn merged_op_hash(&self, position: u64) -> Option<u64> {
+        let s = self.merged_op_hashes.as_deref()?;
+        let i = usize::try_from(position).ok()?.checked_mul(16)?;
+        u64::from_str_radix(s.get(i..i + 16)?, 16).ok()
+    }
 }
 
 impl Manifest {
@@ -292,6 +334,19 @@ impl Manifest {
         })?;
         m.base.validate(path, "base")?;
         m.new.validate(path, "new")?;
+        if let Some(h) = &m.merged_op_hashes
+            && (h.len() as u64 != m.cow_ops.saturating_mul(16)
+                || !h.bytes().all(|b| b.is_ascii_hexdigit()))
+        {
+            return Err(ManifestError::Invalid {
+                path: path.to_path_buf(),
+                msg: format!(
+                    "merged_op_hashes: {} hex digits for {} ops",
+                    h.len(),
+                    m.cow_ops
+                ),
+            });
+        }
         Ok(m)
     }
 }
@@ -354,8 +409,11 @@ mod tests {
             schema_version: SCHEMA_VERSION,
             base: ImageId::compute(&reader(&a), Path::new("a"), a.len() as u64).unwrap(),
             new: ImageId::compute(&reader(&b), Path::new("b"), b.len() as u64).unwrap(),
-            cow_ops: 7,
+            cow_ops: 2,
+            merged_op_hashes: Some(format!("{:016x}{:016x}", 1, block_hash(&a[..4096]))),
         };
+        assert_eq!(m.merged_op_hash(1), Some(block_hash(&a[..4096])));
+        assert_eq!(m.merged_op_hash(2), None);
         let p = Path::new("u.cow.manifest");
         assert_eq!(Manifest::parse(&m.to_json(), p).unwrap(), m);
         let newer = m

@@ -8,8 +8,9 @@
 //!   refused for another device's old image instead of "merging" nothing);
 //! * merge in progress: a region no op writes must match (old and new agree there), a
 //!   region written only by ops the counter says are merged must be the new image's,
-//!   and the others, holding a mix of old and new blocks, cannot be checked. So a
-//!   counter damaged into "half merged" on an unmerged base is caught too.
+//!   and so must the first block of every op the counter says is merged (per-op hashes
+//!   in the manifest): a progress record damaged into "half merged" on an unmerged base
+//!   is caught before anything is written.
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -104,6 +105,18 @@ pub fn check_base(
             .with_context(|| format!("check the base {}", base_path.display()))?,
         None => None,
     };
+    if found.is_none()
+        && merged > 0
+        && let Some((pos, block)) = first_unmerged(m, cow, merged, base, base_path)?
+    {
+        bail!(
+            "{}: the COW {} says {merged} ops are merged, but block {block} (written by op \
+             {pos} in merge order) is not the new image's: the progress record does not \
+             match this base (nothing was written)",
+            base_path.display(),
+            cow.path().display()
+        );
+    }
     if let Some(mismatch) = found {
         let hint = match progress {
             Progress::Complete { .. } => {
@@ -114,6 +127,51 @@ pub fn check_base(
         bail!("{} is not {what}: {mismatch}{hint}", base_path.display());
     }
     Ok(())
+}
+
+/// [`Manifest::merged_op_hashes`] for `cow`, from the new image.
+pub fn op_hashes(cow: &CowReader, new: &dyn manifest::ReadAt, new_path: &Path) -> Result<String> {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let mut block = vec![0u8; 4096];
+    for i in cow.merge_order()? {
+        let b = cow.ops()[i].new_block;
+        new.read_at(b * 4096, &mut block)
+            .with_context(|| format!("read block {b} of {}", new_path.display()))?;
+        let _ = write!(out, "{:016x}", manifest::block_hash(&block));
+    }
+    Ok(out)
+}
+
+/// For a merge the COW says is `merged` ops along: the first block of every op before
+/// that must already be the new image's. Returns the first op (merge position, block)
+/// that is not.
+fn first_unmerged(
+    m: &Manifest,
+    cow: &CowReader,
+    merged: u64,
+    base: &File,
+    base_path: &Path,
+) -> Result<Option<(u64, u64)>> {
+    use std::os::unix::fs::FileExt;
+    if m.merged_op_hashes.is_none() {
+        return Ok(None);
+    }
+    let mut block = vec![0u8; 4096];
+    for (pos, i) in cow
+        .merge_order()?
+        .into_iter()
+        .enumerate()
+        .take(merged as usize)
+    {
+        let b = cow.ops()[i].new_block;
+        base.read_exact_at(&mut block, b * 4096)
+            .with_context(|| format!("read block {b} of {}", base_path.display()))?;
+        if m.merged_op_hash(pos as u64) != Some(manifest::block_hash(&block)) {
+            return Ok(Some((pos as u64, b)));
+        }
+    }
+    Ok(None)
 }
 
 /// Which ops (by merge position) write a region: the first and the last.

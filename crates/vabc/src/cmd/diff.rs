@@ -282,11 +282,17 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         };
         manifest::ImageId::compute(&read, path, size)
     };
+    let new_read = |off: u64, buf: &mut [u8]| {
+        delta::BlockImage::read_exact_at(&new, buf, off).map_err(std::io::Error::other)
+    };
+    let written = cow::CowReader::open(&args.output)
+        .with_context(|| format!("read back {}", args.output.display()))?;
     let m = manifest::Manifest {
         schema_version: manifest::SCHEMA_VERSION,
         base: id(&old, &args.old, plan.old_size)?,
         new: id(&new, &args.new, plan.new_size)?,
-        cow_ops: w.ops,
+        cow_ops: written.ops().len() as u64,
+        merged_op_hashes: Some(crate::checks::op_hashes(&written, &new_read, &args.new)?),
     };
     crate::output::write_atomic(&manifest_path, m.to_json().as_bytes())?;
     let verity = if args.verity {

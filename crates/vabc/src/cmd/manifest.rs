@@ -42,11 +42,14 @@ pub fn run(a: Args) -> Result<ExitCode> {
             a.old.display()
         );
     }
+    let new =
+        std::fs::File::open(&a.new).with_context(|| format!("cannot open {}", a.new.display()))?;
     let m = Manifest {
         schema_version: manifest::SCHEMA_VERSION,
         base: id(&a.old)?,
         new: id(&a.new)?,
         cow_ops: cow.ops().len() as u64,
+        merged_op_hashes: Some(crate::checks::op_hashes(&cow, &new, &a.new)?),
     };
     if !a.no_check {
         let base = std::fs::File::open(&a.old)
