@@ -10,7 +10,7 @@ PKGS=(
 	build-essential pkg-config bc time
 	e2fsprogs erofs-utils util-linux mount fuse3
 	qemu-utils libnbd-bin qemu-system-common
-	cryptsetup-bin fio
+	cryptsetup-bin fio openssl
 	xdelta3 zstd bsdiff xz-utils
 	python3 python3-pip python3-numpy
 )
@@ -25,8 +25,8 @@ if [ ${#missing[@]} -gt 0 ]; then
 	fi
 	echo "install-deps: installing ${missing[*]}"
 	export DEBIAN_FRONTEND=noninteractive
-	apt-get update -qq
-	apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+	apt-get -o DPkg::Lock::Timeout=300 update -qq
+	apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
 if ! command -v cargo >/dev/null 2>&1; then

@@ -25,9 +25,11 @@
 //! back on the client through the socket), a connection that hangs up or cannot be
 //! written to has its queued reads dropped unread, and at most
 //! [`NbdOptions::max_connections`] connections are served at once. A Unix socket is
-//! created with mode 0600 (owner only) unless asked otherwise; a TCP listener on a
-//! wildcard address is warned about, since NBD has no authentication and this server
-//! has no TLS.
+//! created with mode 0600 (owner only) unless asked otherwise. Over TCP, TLS
+//! ([`NbdOptions::tls`], rustls) is required of every client once configured
+//! (`NBD_OPT_STARTTLS`, as `qemu-nbd --tls-creds` does; nothing, not even the export
+//! size, is sent in the clear); a TCP listener on a wildcard address without it is
+//! warned about, since NBD itself has no authentication.
 
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -59,6 +61,7 @@ const FLAG_C_NO_ZEROES: u32 = 2;
 const OPT_EXPORT_NAME: u32 = 1;
 const OPT_ABORT: u32 = 2;
 const OPT_LIST: u32 = 3;
+const OPT_STARTTLS: u32 = 5;
 const OPT_INFO: u32 = 6;
 const OPT_GO: u32 = 7;
 const OPT_STRUCTURED_REPLY: u32 = 8;
@@ -71,6 +74,7 @@ const REP_INFO: u32 = 3;
 const REP_META_CONTEXT: u32 = 4;
 const REP_ERR_UNSUP: u32 = (1 << 31) + 1;
 const REP_ERR_INVALID: u32 = (1 << 31) + 3;
+const REP_ERR_TLS_REQD: u32 = (1 << 31) + 5;
 const REP_ERR_UNKNOWN: u32 = (1 << 31) + 6;
 
 const INFO_EXPORT: u16 = 0;
@@ -172,6 +176,8 @@ pub struct NbdOptions {
     pub max_inflight_bytes: u64,
     /// Permissions of a Unix socket.
     pub socket_mode: u32,
+    /// TLS for TCP clients (`NBD_OPT_STARTTLS`), required of every client when set.
+    pub tls: Option<Arc<rustls::ServerConfig>>,
 }
 
 impl Default for NbdOptions {
@@ -186,8 +192,36 @@ impl Default for NbdOptions {
             // requests of the largest size, MAX_REQUEST, do too.
             max_inflight_bytes: 128 << 20,
             socket_mode: 0o600,
+            tls: None,
         }
     }
+}
+
+/// A TLS server configuration from a PEM certificate chain and its PEM private key
+/// (as `openssl req -x509 ...` writes them), for [`NbdOptions::tls`].
+pub fn tls_config(cert: &Path, key: &Path) -> Result<Arc<rustls::ServerConfig>> {
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+    let bad = |path: &Path, msg: String| ServeError::Invalid {
+        path: path.to_path_buf(),
+        msg,
+    };
+    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
+        .and_then(|it| it.collect())
+        .map_err(|e| bad(cert, format!("not a PEM certificate chain: {e}")))?;
+    if certs.is_empty() {
+        return Err(bad(cert, "no certificate in the file".into()));
+    }
+    let key_der = PrivateKeyDer::from_pem_file(key)
+        .map_err(|e| bad(key, format!("not a PEM private key: {e}")))?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| bad(cert, e.to_string()))?
+        .with_no_client_auth()
+        .with_single_cert(certs, key_der)
+        .map_err(|e| bad(key, format!("does not fit the certificate: {e}")))?;
+    Ok(Arc::new(config))
 }
 
 enum Listener {
@@ -198,6 +232,77 @@ enum Listener {
 enum Stream {
     Unix(UnixStream),
     Tcp(TcpStream),
+    /// After STARTTLS. Shared by the connection's reader and the workers writing its
+    /// replies: one TLS session, whose state a mutex guards.
+    Tls(Arc<TlsStream>),
+}
+
+/// A TLS session over a TCP socket, read by one thread while others write. A reader
+/// never holds the session's lock while it waits for the socket, so replies go out
+/// while it waits for the next request.
+struct TlsStream {
+    conn: Mutex<rustls::ServerConnection>,
+    sock: TcpStream,
+}
+
+impl TlsStream {
+    /// The server side of a TLS handshake on `sock`.
+    fn accept(sock: TcpStream, config: Arc<rustls::ServerConfig>) -> io::Result<TlsStream> {
+        let mut conn = rustls::ServerConnection::new(config).map_err(io::Error::other)?;
+        while conn.is_handshaking() {
+            conn.complete_io(&mut &sock)?;
+        }
+        Ok(TlsStream {
+            conn: Mutex::new(conn),
+            sock,
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, rustls::ServerConnection> {
+        self.conn.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn flush_tls(&self, c: &mut rustls::ServerConnection) -> io::Result<()> {
+        while c.wants_write() {
+            c.write_tls(&mut &self.sock)?;
+        }
+        Ok(())
+    }
+
+    fn read(&self, buf: &mut [u8]) -> io::Result<usize> {
+        loop {
+            match self.lock().reader().read(buf) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                r => return r,
+            }
+            let mut pfd = libc::pollfd {
+                fd: self.sock.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd for the duration of the call.
+            if unsafe { libc::poll(&mut pfd, 1, -1) } < 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(e);
+            }
+            let mut c = self.lock();
+            if c.read_tls(&mut &self.sock)? == 0 {
+                return Ok(0);
+            }
+            c.process_new_packets().map_err(io::Error::other)?;
+            self.flush_tls(&mut c)?;
+        }
+    }
+
+    fn write_vectored(&self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        let mut c = self.lock();
+        let n = c.writer().write_vectored(bufs)?;
+        self.flush_tls(&mut c)?;
+        Ok(n)
+    }
 }
 
 impl Stream {
@@ -205,12 +310,14 @@ impl Stream {
         Ok(match self {
             Stream::Unix(s) => Stream::Unix(s.try_clone()?),
             Stream::Tcp(s) => Stream::Tcp(s.try_clone()?),
+            Stream::Tls(t) => Stream::Tls(t.clone()),
         })
     }
     fn shutdown(&self) {
         let _ = match self {
             Stream::Unix(s) => s.shutdown(std::net::Shutdown::Both),
             Stream::Tcp(s) => s.shutdown(std::net::Shutdown::Both),
+            Stream::Tls(t) => t.sock.shutdown(std::net::Shutdown::Both),
         };
     }
 }
@@ -220,21 +327,20 @@ impl Read for Stream {
         match self {
             Stream::Unix(s) => s.read(buf),
             Stream::Tcp(s) => s.read(buf),
+            Stream::Tls(t) => t.read(buf),
         }
     }
 }
 
 impl Write for Stream {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        match self {
-            Stream::Unix(s) => s.write(buf),
-            Stream::Tcp(s) => s.write(buf),
-        }
+        self.write_vectored(&[IoSlice::new(buf)])
     }
     fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
         match self {
             Stream::Unix(s) => s.write_vectored(bufs),
             Stream::Tcp(s) => s.write_vectored(bufs),
+            Stream::Tls(t) => t.write_vectored(bufs),
         }
     }
     fn flush(&mut self) -> io::Result<()> {
@@ -452,7 +558,7 @@ impl NbdServer {
                 Listener::Unix(l, path.clone())
             }
             NbdAddr::Tcp(a) => {
-                if a.ip().is_unspecified() {
+                if a.ip().is_unspecified() && opts.tls.is_none() {
                     eprintln!(
                         "vabc serve: warning: NBD on {a} accepts connections on every \
                          network interface, without authentication or encryption: anyone \
@@ -724,6 +830,9 @@ fn handshake(sh: &Shared, s: &mut Stream) -> io::Result<Negotiated> {
     let size = sh.dev.size();
     let name_ok = |n: &[u8]| n.is_empty() || n == sh.opts.export_name.as_bytes();
     let mut session = Session::default();
+    // With TLS configured, nothing but STARTTLS (or ABORT) before the session is
+    // encrypted: not even the export's size.
+    let mut need_tls = sh.opts.tls.is_some();
     loop {
         let magic = read_u64(s)?;
         if magic != IHAVEOPT {
@@ -736,7 +845,40 @@ fn handshake(sh: &Shared, s: &mut Stream) -> io::Result<Negotiated> {
         }
         let mut data = vec![0u8; len as usize];
         s.read_exact(&mut data)?;
+        if need_tls && !matches!(opt, OPT_STARTTLS | OPT_ABORT) {
+            if opt == OPT_EXPORT_NAME {
+                return Err(protocol(
+                    "EXPORT_NAME before STARTTLS; TLS is required".into(),
+                ));
+            }
+            option_reply(s, opt, REP_ERR_TLS_REQD, b"TLS is required: STARTTLS first")?;
+            continue;
+        }
         match opt {
+            OPT_STARTTLS => {
+                let config = match (&sh.opts.tls, &*s) {
+                    (Some(c), Stream::Tcp(_)) if len == 0 => c.clone(),
+                    (Some(_), Stream::Tcp(_)) => {
+                        option_reply(s, opt, REP_ERR_INVALID, b"STARTTLS takes no data")?;
+                        continue;
+                    }
+                    (Some(_), _) => {
+                        option_reply(s, opt, REP_ERR_INVALID, b"TLS is already on")?;
+                        continue;
+                    }
+                    (None, _) => {
+                        option_reply(s, opt, REP_ERR_UNSUP, b"this server has no TLS")?;
+                        continue;
+                    }
+                };
+                option_reply(s, opt, REP_ACK, &[])?;
+                let Stream::Tcp(tcp) = &*s else {
+                    return Err(protocol("STARTTLS on a stream that is not TCP".into()));
+                };
+                let tls = TlsStream::accept(tcp.try_clone()?, config)?;
+                *s = Stream::Tls(Arc::new(tls));
+                need_tls = false;
+            }
             OPT_EXPORT_NAME => {
                 if !name_ok(&data) {
                     return Err(protocol(format!(

@@ -470,3 +470,110 @@ fn structured_replies_and_block_status_follow_the_protocol() {
     drop(s);
     assert!(server.stop().success());
 }
+
+/// A self-signed certificate for 127.0.0.1 in `dir` (as `ca-cert.pem`, the name libnbd
+/// looks for) and its key.
+fn self_signed(dir: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
+    let (cert, key) = (dir.join("ca-cert.pem"), dir.join("key.pem"));
+    let (ok, out) = run(Command::new("openssl")
+        .args([
+            "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+        ])
+        .args([
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ])
+        .arg("-keyout")
+        .arg(&key)
+        .arg("-out")
+        .arg(&cert));
+    assert!(ok, "openssl: {out}");
+    (cert, key)
+}
+
+#[test]
+fn tls_is_required_once_configured_and_clients_verify_the_server() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let (old, new, cow) = sparse_pair(t);
+    let (certs, wrong) = (t.join("certs"), t.join("wrong"));
+    std::fs::create_dir_all(&certs).unwrap();
+    std::fs::create_dir_all(&wrong).unwrap();
+    let (cert, key) = self_signed(&certs);
+    self_signed(&wrong);
+    let server = Server::start(&[
+        os("--base"),
+        old.as_os_str(),
+        os("--cow"),
+        cow.as_os_str(),
+        os("--nbd"),
+        os("tcp:127.0.0.1:0"),
+        os("--nbd-tls-cert"),
+        cert.as_os_str(),
+        os("--nbd-tls-key"),
+        key.as_os_str(),
+    ]);
+    let addr = server
+        .stdout
+        .iter()
+        .find_map(|l| {
+            l.split_whitespace()
+                .find_map(|w| w.strip_prefix("nbd://"))
+                .map(|a| a.trim_end_matches('/').to_string())
+        })
+        .expect("NBD address in the output");
+    // A client that trusts the certificate reads the new image, over TLS.
+    let out = Command::new("nbdcopy")
+        .arg(format!(
+            "nbds://{addr}/vabc?tls-certificates={}",
+            certs.display()
+        ))
+        .arg(t.join("copy.img"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(sha256_file(&t.join("copy.img")), sha256_file(&new));
+    // Without TLS: refused. With another certificate trusted: the client refuses us.
+    let (ok, out) = run(Command::new("nbdinfo").arg(format!("nbd://{addr}/vabc")));
+    assert!(!ok, "a plaintext client was served: {out}");
+    let (ok, out) = run(Command::new("nbdinfo").arg(format!(
+        "nbds://{addr}/vabc?tls-certificates={}",
+        wrong.display()
+    )));
+    assert!(
+        !ok,
+        "a client trusting another certificate connected: {out}"
+    );
+    assert!(server.stop().success());
+}
+
+#[test]
+fn a_wildcard_listener_without_tls_is_warned_about() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let (old, _new, cow) = sparse_pair(t);
+    let log = t.join("serve.log");
+    let server = Server::start_logged(
+        &[
+            os("--base"),
+            old.as_os_str(),
+            os("--cow"),
+            cow.as_os_str(),
+            os("--nbd"),
+            os("tcp:0.0.0.0:0"),
+        ],
+        &log,
+    );
+    assert!(
+        server.log().contains("every network interface"),
+        "{}",
+        server.log()
+    );
+    assert!(server.stop().success());
+}

@@ -84,6 +84,13 @@ pub struct Args {
     /// connect, and so read the whole image).
     #[arg(long, value_name = "OCTAL", value_parser = parse_mode, requires = "nbd")]
     pub nbd_socket_mode: Option<u32>,
+    /// NBD over TCP: require TLS (STARTTLS), with this PEM certificate chain (for
+    /// example from `openssl req -x509 -newkey ed25519 ...`).
+    #[arg(long, value_name = "PEM", requires_all = ["nbd", "nbd_tls_key"])]
+    pub nbd_tls_cert: Option<PathBuf>,
+    /// The PEM private key of --nbd-tls-cert.
+    #[arg(long, value_name = "PEM", requires = "nbd_tls_cert")]
+    pub nbd_tls_key: Option<PathBuf>,
     /// NBD export name (clients asking for the default export "" get it too).
     #[arg(long, default_value = "vabc")]
     pub export_name: String,
@@ -233,6 +240,13 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     signal_hook::flag::register(signal_hook::consts::SIGUSR1, report.clone())
         .context("install signal handler")?;
     let nbd_addr: Option<NbdAddr> = args.nbd.as_deref().map(str::parse).transpose()?;
+    let nbd_tls = match (&args.nbd_tls_cert, &args.nbd_tls_key, &nbd_addr) {
+        (Some(_), _, Some(NbdAddr::Unix(_))) => {
+            bail!("--nbd-tls-cert is for tcp: addresses (a unix socket is guarded by its mode)")
+        }
+        (Some(cert), Some(key), _) => Some(serve::nbd::tls_config(cert, key)?),
+        _ => None,
+    };
     // Before any work: a missing driver is the likely failure.
     let ublk_transport = match args.ublk {
         true => Some(serve::ublk::KernelTransport::open()?),
@@ -336,6 +350,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                 readahead: readahead.clone(),
                 max_connections: args.nbd_max_connections.max(1),
                 socket_mode: args.nbd_socket_mode.unwrap_or(0o600),
+                tls: nbd_tls.clone(),
                 ..NbdOptions::default()
             };
             let server = NbdServer::bind(addr, dev.clone(), &nbd_opts)?;
