@@ -101,7 +101,7 @@ cp $T/old.img $T/base-nbd.img
 "$VABC" serve --base $T/base-nbd.img --cow "$W/u.cow" "${SIZE_ARG[@]}" --nbd unix:$T/nbd.sock --ready-file $T/nbd.json >$T/nbd.log 2>&1 &
 PIDS[nbd]=$!
 wait_ready $T/nbd.json "${PIDS[nbd]}"
-nbd-client -unix $T/nbd.sock /dev/nbd0 -N vabc -b 4096 >/dev/null
+nbd-client -unix $T/nbd.sock /dev/nbd0 -N vabc -b 4096 -timeout 5 >/dev/null
 DEV[nbd]=/dev/nbd0
 
 cp $T/old.img $T/base-fuse.img

@@ -29,7 +29,7 @@ check() {
 mod() { modprobe -d "$VM_KMOD" "$@"; }
 
 echo "guest kernel: $(uname -r) ($(uname -v)); $(nproc) vCPUs"
-for m in ublk_drv nbd loop fuse ext4 erofs dm_verity dm_snapshot; do
+for m in ublk_drv nbd loop fuse ext4 erofs dm_verity dm_snapshot dm_delay; do
 	mod "$m" || echo "cannot load $m"
 done
 
@@ -59,7 +59,9 @@ serve_up() {
 	case $f in
 	nbd)
 		DEV=/dev/nbd0
-		nbd-client -unix $T/nbd.sock $DEV -N vabc -b 4096 >$T/nbd-client.log 2>&1 ||
+		# -timeout: without it the kernel retries a request of a dead server forever
+		# (a reader hangs); with it the request fails with EIO after 5 s.
+		nbd-client -unix $T/nbd.sock $DEV -N vabc -b 4096 -timeout 5 >$T/nbd-client.log 2>&1 ||
 			{ cat $T/nbd-client.log; return 1; }
 		;;
 	*) DEV=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["block_device"])' $T/ready.json) ;;
@@ -137,7 +139,7 @@ drop_caches() { sync; echo 3 >/proc/sys/vm/drop_caches; }
 after_kill() {
 	local rc=0
 	wait $READER || { echo "the reader running across the kill saw wrong data"; rc=1; }
-	$CHECK never-wrong "$DEV" "$NEW" --seconds 3 || rc=1
+	timeout 60 $CHECK never-wrong "$DEV" "$NEW" --seconds 3 || rc=1
 	case $FRONT in
 	nbd) nbd-client -d $DEV ;;
 	*) "$VABC" cleanup ;;
@@ -212,26 +214,33 @@ for FS in $FSES; do
 		cp "$WORK/$FS.cow" $T/merge.cow
 		cp "$WORK/$FS.cow.manifest" $T/merge.cow.manifest
 		rm -f $T/merged
-		if serve_up "$FRONT" $T/base.img $T/merge.cow --merge; then
+		# The base under dm-delay (writes and flushes 100 ms late, reads at once), so
+		# that the merge takes long enough for many reads to happen while it runs.
+		SLOW_LOOP=$(losetup --direct-io=on -f --show $T/base.img)
+		dmsetup create vabc-slow --table \
+			"0 $(blockdev --getsz "$SLOW_LOOP") delay $SLOW_LOOP 0 0 $SLOW_LOOP 0 100"
+		if serve_up "$FRONT" /dev/mapper/vabc-slow $T/merge.cow --merge; then
 			# The stop file appears when the daemon reports the merge complete.
 			(while ! grep -q "merge complete" $T/serve.log; do
 				kill -0 $SERVE_PID 2>/dev/null || break; sleep 0.05; done; touch $T/merged) &
 			check "reads during the merge equal the new image" \
-				$CHECK until "$DEV" "$NEW" --stop-file $T/merged --timeout 300
+				$CHECK until "$DEV" "$NEW" --stop-file $T/merged --timeout 300 --min-reads 20
 			grep -q "merge complete" $T/serve.log || { echo "merge did not complete"; cat $T/serve.log; }
 			drop_caches
 			check "after the merge: O_DIRECT sha256 equals the new image" direct_sha
 			check "SIGTERM after the merge" stop_term
-			check "the base file is now the new image" same_sha $T/base.img
 		else
 			check "serve --merge becomes ready" false
 		fi
+		dmsetup remove vabc-slow
+		losetup -d "$SLOW_LOOP"
+		check "the base file is now the new image" same_sha $T/base.img
 
 		say "$FRONT on $FS: SIGKILL of the daemon"
 		cp $T/$FS/old.img $T/base.img
 		if serve_up "$FRONT" $T/base.img "$WORK/$FS.cow"; then
 			drop_caches
-			$CHECK never-wrong "$DEV" "$NEW" --seconds 2 &
+			timeout 60 $CHECK never-wrong "$DEV" "$NEW" --seconds 2 &
 			READER=$!
 			sleep 1
 			kill -KILL $SERVE_PID

@@ -106,7 +106,7 @@ done
 echo "vm: $PKG, $SMP vCPUs, $MEM MiB, $accel; running: $*" >&2
 start=$(date +%s)
 set +e
-timeout -k 10 "$TIMEOUT" "${QEMU[@]}" </dev/null | tr -d '\r'
+timeout -k 10 "$TIMEOUT" "${QEMU[@]}" </dev/null | sed -u 's/\r$//'
 qrc=${PIPESTATUS[0]}
 set -e
 secs=$(($(date +%s) - start))

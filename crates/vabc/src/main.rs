@@ -42,6 +42,14 @@ enum Command {
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
+    if !matches!(cli.command, Command::Serve(_)) {
+        // A reader that goes away (`vabc inspect --ops --json | head -1`) ends us as it
+        // ends any Unix tool: by SIGPIPE (exit 141), not by a panic in println!. The
+        // server keeps Rust's default (ignored), since a client hanging up must only
+        // fail that write.
+        // SAFETY: restoring a signal's default disposition installs no handler code.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    }
     // Commands that write files: a signal removes their temporary files (serve handles
     // its own signals, tearing down what it set up).
     let note = match &cli.command {

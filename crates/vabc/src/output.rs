@@ -73,9 +73,30 @@ pub fn commit(tmp: NamedTempFile, dest: &Path) -> Result<()> {
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .retain(|p| p != tmp.path());
+    // Temporary files are created 0600; the output gets the mode any new file would.
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = 0o666 & !umask();
+        tmp.as_file()
+            .set_permissions(std::fs::Permissions::from_mode(mode))
+            .with_context(|| format!("chmod {}", tmp.path().display()))?;
+    }
     tmp.persist(dest)
         .with_context(|| format!("rename the temporary file to {}", dest.display()))?;
     Ok(())
+}
+
+/// The process's umask, from /proc (setting it to read it back would race with other
+/// threads creating files); 022 if /proc does not say.
+fn umask() -> u32 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("Umask:"))
+                .and_then(|v| u32::from_str_radix(v.trim(), 8).ok())
+        })
+        .unwrap_or(0o022)
 }
 
 /// Writes `data` to `dest` through a synced temporary file and a rename.

@@ -230,6 +230,11 @@ struct VerityReport {
     hash_block_size: u32,
 }
 
+/// The unit REPLACE data is compressed in: v2 has no multi-block units.
+fn effective_factor(version: u16, asked: u32) -> u32 {
+    if version >= 3 { asked } else { 4096 }
+}
+
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let t0 = Instant::now();
     let compression: Compression = args
@@ -327,7 +332,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         new_physical_size: new.physical_size(),
         format: version,
         compression: compression.to_string(),
-        compression_factor: args.compression_factor,
+        compression_factor: effective_factor(version, args.compression_factor),
         xor: !args.no_xor,
         block_order: args.block_order,
         blocks: Blocks {
@@ -368,7 +373,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             report.ops,
             version,
             report.compression,
-            args.compression_factor / 1024,
+            effective_factor(version, args.compression_factor) / 1024,
             if args.block_order && version >= 3 {
                 ", block order"
             } else {

@@ -261,9 +261,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         );
     }
     let fuse_uring = use_fuse_uring(&args)?;
-    if let Err(e) = serve::set_io_flusher() {
-        eprintln!("vabc serve: warning: PR_SET_IO_FLUSHER: {e} (needs CAP_SYS_RESOURCE)");
-    }
+    // Best effort, and nothing a user can act on when it is refused (it needs
+    // CAP_SYS_RESOURCE, which containers often drop): no message.
+    let _ = serve::set_io_flusher();
 
     // Before serving a byte: the base must be the one the update was made for (or, once
     // merged, the new image), and the COW's merge state must be sane.
@@ -271,6 +271,13 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         let cow = cow::CowReader::open(&args.cow)
             .with_context(|| format!("cannot read COW {}", args.cow.display()))?;
         let progress = merge::progress::read(&cow)?;
+        if progress.started() {
+            // A merge records its progress in the COW: say what that means here.
+            eprintln!(
+                "vabc serve: {}: merge {progress}; serving through the merge state",
+                args.cow.display()
+            );
+        }
         let manifest = crate::checks::load_manifest(&args.check, &args.cow, &cow)?;
         if let Some(m) = &manifest {
             let base = std::fs::File::open(&args.base)
