@@ -139,25 +139,44 @@ fn region_hashes(
             || vec![0u8; CHUNK],
             |buf, &r| {
                 let start = r as u64 * REGION_SIZE;
-                let end = (start + REGION_SIZE).min(size);
                 let mut h = Sha256::new();
-                let mut off = start;
-                while off < end {
-                    let n = ((end - off) as usize).min(CHUNK);
-                    src.read_at(off, &mut buf[..n])
-                        .map_err(|source| ManifestError::Io {
-                            path: path.to_path_buf(),
-                            op: "read",
-                            offset: off,
-                            source,
-                        })?;
-                    h.update(&buf[..n]);
-                    off += n as u64;
-                }
+                hash_range(
+                    src,
+                    path,
+                    start,
+                    (start + REGION_SIZE).min(size),
+                    buf,
+                    &mut h,
+                )?;
                 Ok(h.finalize().into())
             },
         )
         .collect()
+}
+
+/// Feeds bytes `start..end` of an image to `h`, read in `buf`-sized pieces.
+fn hash_range(
+    src: &dyn ReadAt,
+    path: &Path,
+    start: u64,
+    end: u64,
+    buf: &mut [u8],
+    h: &mut Sha256,
+) -> Result<()> {
+    let mut off = start;
+    while off < end {
+        let n = ((end - off) as usize).min(buf.len());
+        src.read_at(off, &mut buf[..n])
+            .map_err(|source| ManifestError::Io {
+                path: path.to_path_buf(),
+                op: "read",
+                offset: off,
+                source,
+            })?;
+        h.update(&buf[..n]);
+        off += n as u64;
+    }
+    Ok(())
 }
 
 fn regions_of(size: u64) -> usize {
@@ -172,20 +191,7 @@ impl ImageId {
         let all: Vec<usize> = (0..regions_of(size)).collect();
         let regions = region_hashes(src, path, size, &all)?;
         let mut whole = Sha256::new();
-        let mut buf = vec![0u8; 1 << 20];
-        let mut off = 0;
-        while off < size {
-            let n = ((size - off) as usize).min(buf.len());
-            src.read_at(off, &mut buf[..n])
-                .map_err(|source| ManifestError::Io {
-                    path: path.to_path_buf(),
-                    op: "read",
-                    offset: off,
-                    source,
-                })?;
-            whole.update(&buf[..n]);
-            off += n as u64;
-        }
+        hash_range(src, path, 0, size, &mut vec![0u8; 1 << 20], &mut whole)?;
         Ok(ImageId {
             size,
             sha256: hex::encode(whole.finalize()),

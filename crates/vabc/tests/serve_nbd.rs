@@ -274,15 +274,7 @@ fn tcp_listener_works_too() {
         os("--nbd"),
         os("tcp:127.0.0.1:0"),
     ]);
-    let uri = server
-        .stdout
-        .iter()
-        .find_map(|l| {
-            l.split_whitespace()
-                .find(|w| w.starts_with("nbd://"))
-                .map(str::to_string)
-        })
-        .expect("NBD URI in the output");
+    let uri = format!("nbd://{}/", tcp_address(&server));
     let (ok, out) = run(Command::new("qemu-img")
         .args(["compare", "-f", "raw", "-F", "raw"])
         .arg(&new)
@@ -292,6 +284,20 @@ fn tcp_listener_works_too() {
         "qemu-img compare over TCP: {out}"
     );
     assert!(server.stop().success());
+}
+
+/// HOST:PORT of a TCP export, from the server's "NBD export ... at nbd://HOST:PORT/"
+/// line (port 0 lets the kernel choose).
+fn tcp_address(server: &Server) -> String {
+    server
+        .stdout
+        .iter()
+        .find_map(|l| {
+            l.split_whitespace()
+                .find_map(|w| w.strip_prefix("nbd://"))
+                .map(|a| a.trim_end_matches('/').to_string())
+        })
+        .expect("NBD address in the output")
 }
 
 /// A LIST/SET_META_CONTEXT payload: export "" and `queries`.
@@ -515,15 +521,7 @@ fn tls_is_required_once_configured_and_clients_verify_the_server() {
         os("--nbd-tls-key"),
         key.as_os_str(),
     ]);
-    let addr = server
-        .stdout
-        .iter()
-        .find_map(|l| {
-            l.split_whitespace()
-                .find_map(|w| w.strip_prefix("nbd://"))
-                .map(|a| a.trim_end_matches('/').to_string())
-        })
-        .expect("NBD address in the output");
+    let addr = tcp_address(&server);
     // A client that trusts the certificate reads the new image, over TLS.
     let out = Command::new("nbdcopy")
         .arg(format!(

@@ -87,6 +87,33 @@ fn must_fail(args: &[&str]) -> Output {
     o
 }
 
+/// `vabc apply --base BASE --cow COW -o OUT`, which must refuse; its stderr.
+fn apply_refuses(base: &Path, cow: &Path, out: &Path) -> String {
+    stderr(&must_fail(&[
+        "apply",
+        "--base",
+        s(base),
+        "--cow",
+        s(cow),
+        "-o",
+        s(out),
+    ]))
+}
+
+/// `vabc serve --nbd unix:DIR/nbd.sock` of `base` + `cow`, which must refuse; its stderr.
+fn serve_refuses(dir: &Path, base: &Path, cow: &Path) -> String {
+    let sock = dir.join("nbd.sock");
+    stderr(&must_fail(&[
+        "serve",
+        "--base",
+        s(base),
+        "--cow",
+        s(cow),
+        "--nbd",
+        &format!("unix:{}", s(&sock)),
+    ]))
+}
+
 /// The first REPLACE op's payload offset and length, from `inspect --ops --json`.
 fn replace_payload(cow: &Path) -> (u64, u64) {
     let o = run_vabc(&["inspect", s(cow), "--ops", "--json"]);
@@ -138,16 +165,7 @@ fn a_wrong_base_is_refused_by_apply_merge_serve_and_check() {
         "{e}"
     );
     assert_eq!(sha256_file(&base), before, "merge wrote to a wrong base");
-    let sock = d.path().join("nbd.sock");
-    let e = stderr(&must_fail(&[
-        "serve",
-        "--base",
-        s(&base),
-        "--cow",
-        s(&cow),
-        "--nbd",
-        &format!("unix:{}", s(&sock)),
-    ]));
+    let e = serve_refuses(d.path(), &base, &cow);
     assert!(
         e.contains("is not the image this update was made for"),
         "{e}"
@@ -161,15 +179,7 @@ fn a_wrong_base_is_refused_by_apply_merge_serve_and_check() {
             .status
             .success()
     );
-    let e = stderr(&must_fail(&[
-        "apply",
-        "--base",
-        s(&old),
-        "--cow",
-        s(&swapped),
-        "-o",
-        s(&out),
-    ]));
+    let e = apply_refuses(&old, &swapped, &out);
     assert!(
         e.contains("is not the image this update was made for"),
         "{e}"
@@ -205,15 +215,7 @@ fn a_corrupt_payload_is_caught_before_anything_is_written() {
         stderr(&o)
     );
     let out = d.path().join("out.img");
-    let e = stderr(&must_fail(&[
-        "apply",
-        "--base",
-        s(&old),
-        "--cow",
-        s(&cow),
-        "-o",
-        s(&out),
-    ]));
+    let e = apply_refuses(&old, &cow, &out);
     assert!(
         e.contains("does not make the new image") && e.contains("bytes"),
         "{e}"
@@ -278,16 +280,7 @@ fn a_merged_cow_is_used_up() {
     let e = stderr(&must_fail(&["merge", "--base", s(&b), "--cow", s(&cow)]));
     assert!(e.contains("merged COW is used up"), "{e}");
     assert_eq!(sha256_file(&b), sha256_file(&old));
-    let sock = d.path().join("nbd.sock");
-    let e = stderr(&must_fail(&[
-        "serve",
-        "--base",
-        s(&b),
-        "--cow",
-        s(&cow),
-        "--nbd",
-        &format!("unix:{}", s(&sock)),
-    ]));
+    let e = serve_refuses(d.path(), &b, &cow);
     assert!(e.contains("merged COW is used up"), "{e}");
 }
 
@@ -299,15 +292,7 @@ fn apply_refuses_a_merge_killed_inside_its_first_window() {
     // base blocks may already be overwritten.
     poke(&cow, header_size(&cow), &[2]);
     let out = d.path().join("out.img");
-    let e = stderr(&must_fail(&[
-        "apply",
-        "--base",
-        s(&old),
-        "--cow",
-        s(&cow),
-        "-o",
-        s(&out),
-    ]));
+    let e = apply_refuses(&old, &cow, &out);
     assert!(e.contains("in progress"), "{e}");
     assert!(!out.exists());
 }
@@ -317,16 +302,7 @@ fn a_merge_counter_past_the_op_count_is_refused() {
     let d = tempfile::tempdir().unwrap();
     let (old, _new, cow) = update(d.path(), "lz4");
     poke(&cow, 26, &1_000_000u64.to_le_bytes());
-    let sock = d.path().join("nbd.sock");
-    let e = stderr(&must_fail(&[
-        "serve",
-        "--base",
-        s(&old),
-        "--cow",
-        s(&cow),
-        "--nbd",
-        &format!("unix:{}", s(&sock)),
-    ]));
+    let e = serve_refuses(d.path(), &old, &cow);
     assert!(e.contains("num_merge_ops 1000000 exceeds"), "{e}");
     let e = stderr(&must_fail(&["inspect", s(&cow)]));
     assert!(e.contains("exceeds"), "{e}");
@@ -365,15 +341,7 @@ fn apply_writes_zeros_as_holes_and_refuses_an_unbounded_size() {
     let f = std::fs::File::create(&short).unwrap();
     f.set_len(4 << 20).unwrap();
     drop(f);
-    let e = stderr(&must_fail(&[
-        "apply",
-        "--base",
-        s(&short),
-        "--cow",
-        s(&cow),
-        "-o",
-        s(&out),
-    ]));
+    let e = apply_refuses(&short, &cow, &out);
     assert!(
         e.contains("past the end of the base") && e.contains("--size"),
         "{e}"
