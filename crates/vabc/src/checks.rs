@@ -20,6 +20,31 @@ use cow::{CowReader, SnapshotView};
 use manifest::{ImageId, Manifest};
 use merge::Progress;
 
+/// A check that found data other than it must be (wrong base, a result that is not
+/// the new image, a failed verification): exit status [`EXIT_MISMATCH`], not the 1 of
+/// an error that kept the command from deciding.
+#[derive(Debug)]
+pub struct Mismatch(pub String);
+
+impl std::fmt::Display for Mismatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Mismatch {}
+
+/// Exit status of a [`Mismatch`] (docs/cli.md).
+pub const EXIT_MISMATCH: u8 = 3;
+
+/// `bail!` for a [`Mismatch`].
+macro_rules! mismatch {
+    ($($arg:tt)*) => {
+        return Err(anyhow::Error::new($crate::checks::Mismatch(format!($($arg)*))))
+    };
+}
+pub(crate) use mismatch;
+
 /// Flags shared by the commands that read a base through a COW.
 #[derive(clap::Args, Debug, Clone)]
 pub struct CheckArgs {
@@ -109,7 +134,7 @@ pub fn check_base(
         && merged > 0
         && let Some((pos, block)) = first_unmerged(m, cow, merged, base, base_path)?
     {
-        bail!(
+        mismatch!(
             "{}: the COW {} says {merged} ops are merged, but block {block} (written by op \
              {pos} in merge order) is not the new image's: the progress record does not \
              match this base (nothing was written)",
@@ -124,7 +149,7 @@ pub fn check_base(
             }
             _ => "; wrong base image? (--no-base-check skips this check)",
         };
-        bail!("{} is not {what}: {mismatch}{hint}", base_path.display());
+        mismatch!("{} is not {what}: {mismatch}{hint}", base_path.display());
     }
     Ok(())
 }
@@ -241,7 +266,7 @@ pub fn prove_result(
                 .first_mismatch(&read, &cow_path, size, |_| true)
                 .with_context(|| format!("decode every op of {}", cow_path.display()))?;
             if let Some(mismatch) = found {
-                bail!(
+                mismatch!(
                     "{} + {} does not make the new image the update promises: {mismatch}; \
                      the COW is corrupt (nothing was written)",
                     base_path.display(),

@@ -2,6 +2,10 @@
 
 use clap::{Parser, Subcommand};
 
+/// The version of every `--json` report and of `serve --ready-file` (docs/cli.md):
+/// raised when a key changes meaning or goes away, not when one is added.
+pub(crate) const SCHEMA_VERSION: u32 = 1;
+
 mod checks;
 mod cmd;
 mod output;
@@ -78,7 +82,11 @@ fn main() -> std::process::ExitCode {
         Ok(code) => code,
         Err(e) => {
             eprintln!("vabc: error: {}", error_chain(&e));
-            std::process::ExitCode::FAILURE
+            if e.chain().any(|c| c.is::<checks::Mismatch>()) {
+                std::process::ExitCode::from(checks::EXIT_MISMATCH)
+            } else {
+                std::process::ExitCode::FAILURE
+            }
         }
     }
 }

@@ -120,7 +120,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
                 .new
                 .first_mismatch(tmp.as_file(), tmp.path(), size, |_| true)?;
             if let Some(mismatch) = found {
-                bail!(
+                crate::checks::mismatch!(
                     "{} + {} does not make the new image the update promises: {mismatch}; \
                      the COW is corrupt ({} not written)",
                     a.base.display(),

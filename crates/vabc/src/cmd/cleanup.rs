@@ -20,7 +20,7 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
     let failed = removed.iter().filter(|r| r.error.is_some()).count();
     if a.json {
         let v = serde_json::json!({
-            "schema_version": 1,
+            "schema_version": crate::SCHEMA_VERSION,
             "run_dir": dir,
             "removed": removed,
             "failed": failed,

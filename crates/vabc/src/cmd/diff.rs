@@ -189,6 +189,7 @@ struct Bytes {
 
 #[derive(Serialize)]
 struct Report {
+    schema_version: u32,
     old: PathBuf,
     new: PathBuf,
     output: PathBuf,
@@ -324,6 +325,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     };
     let c = plan.census;
     let report = Report {
+        schema_version: crate::SCHEMA_VERSION,
         old: args.old.clone(),
         new: args.new.clone(),
         output: args.output.clone(),

@@ -19,7 +19,7 @@ pub struct Args {
     /// Order of the op listing; `merge` is the order a merge applies them.
     #[arg(long, value_enum, default_value_t = Order::Stream)]
     order: Order,
-    /// Check that merging op by op in merge order is safe; exit 1 if not.
+    /// Check that merging op by op in merge order is safe; exit 3 if not.
     #[arg(long)]
     verify_merge: bool,
     /// Read only up to this label (resume point), as a resumed writer would.
@@ -30,7 +30,7 @@ pub struct Args {
     json: bool,
     /// A dry run of what a merge checks before its first write: every op's payload
     /// decodes and, with --base, the base is the one the update's manifest names and
-    /// base + COW make exactly its new image. Writes nothing; exit 1 on failure.
+    /// base + COW make exactly its new image. Writes nothing; exit 3 on failure.
     #[arg(long)]
     check: bool,
     /// The base image for --check.
@@ -72,6 +72,7 @@ impl From<&Op> for OpJson {
 
 #[derive(Serialize)]
 struct Summary<'a> {
+    schema_version: u32,
     file: String,
     file_size: u64,
     version: String,
@@ -156,6 +157,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
         None
     };
     let summary = Summary {
+        schema_version: crate::SCHEMA_VERSION,
         file: a.cow.display().to_string(),
         file_size: r.file_size(),
         version: format!("{}.{}", h.major_version, h.minor_version),
@@ -207,7 +209,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
         failed = true;
     }
     Ok(if failed {
-        ExitCode::FAILURE
+        ExitCode::from(crate::checks::EXIT_MISMATCH)
     } else {
         ExitCode::SUCCESS
     })

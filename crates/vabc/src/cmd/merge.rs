@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use cow::CowReader;
 use merge::{Merge, MergeIo, MergeOptions, SyncIo, UringIo};
 
@@ -162,7 +162,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
         let base = std::fs::File::open(&a.base)
             .with_context(|| format!("cannot open {}", a.base.display()))?;
         if let Some(mismatch) = m.new.first_mismatch(&base, &a.base, base_size, |_| true)? {
-            bail!(
+            crate::checks::mismatch!(
                 "{}: the merge is complete but the base is not the new image: {mismatch}; \
                  the merge progress recorded in {} did not match the base",
                 a.base.display(),
@@ -172,6 +172,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
     }
     if a.json {
         let v = serde_json::json!({
+            "schema_version": crate::SCHEMA_VERSION,
             "base": a.base.display().to_string(),
             "cow": a.cow.display().to_string(),
             "engine": engine,

@@ -461,7 +461,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             .map(|u| u.block_path())
             .or_else(|| loop_dev.as_ref().map(|l| l.path().to_path_buf()));
         let report = serde_json::json!({
-            "schema_version": 1,
+            "schema_version": crate::SCHEMA_VERSION,
             "pid": std::process::id(),
             "size": size,
             "block_device": block,

@@ -376,6 +376,7 @@ fn format(a: FormatArgs) -> Result<ExitCode> {
     let mut out = std::io::stdout().lock();
     if a.json {
         let v = serde_json::json!({
+            "schema_version": crate::SCHEMA_VERSION,
             "hashfile": a.hashfile.display().to_string(),
             "uuid": uuid_text,
             "hash_type": params.format.as_u32(),
@@ -534,7 +535,7 @@ fn verify(a: VerifyArgs) -> Result<ExitCode> {
                 "hash area"
             };
             eprintln!("vabc: Verification of {area} failed: {e}");
-            Ok(ExitCode::FAILURE)
+            Ok(ExitCode::from(crate::checks::EXIT_MISMATCH))
         }
         Err(e) => Err(e.into()),
     }

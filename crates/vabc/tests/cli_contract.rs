@@ -1,0 +1,126 @@
+//! docs/cli.md, checked: the exit status of each failure class, and the `--json`
+//! reports (they parse, carry `schema_version`, and have the keys scripts use).
+
+mod serve_common;
+
+use std::path::Path;
+
+use serve_common::{run_vabc, vectors};
+
+fn code(args: &[&str]) -> (Option<i32>, String) {
+    let o = run_vabc(args);
+    (
+        o.status.code(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+fn json(args: &[&str]) -> serde_json::Value {
+    let o = run_vabc(args);
+    assert!(
+        o.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| {
+        panic!(
+            "{args:?}: not JSON ({e}): {}",
+            String::from_utf8_lossy(&o.stdout)
+        )
+    });
+    assert_eq!(v["schema_version"], 1, "{args:?}");
+    v
+}
+
+fn has(v: &serde_json::Value, keys: &[&str]) {
+    for k in keys {
+        assert!(v.get(k).is_some(), "no {k:?} in {v}");
+    }
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+#[test]
+fn every_json_report_parses_and_carries_its_schema_version() {
+    let d = tempfile::tempdir().unwrap();
+    let (base, expected) = (vectors().join("base.img"), vectors().join("expected.img"));
+    let cow = d.path().join("u.cow");
+    let v = json(&["diff", s(&base), s(&expected), "-o", s(&cow), "--json"]);
+    has(
+        &v,
+        &[
+            "ops",
+            "cow_size",
+            "new_size",
+            "manifest",
+            "base_sha256",
+            "new_sha256",
+        ],
+    );
+    let v = json(&["inspect", s(&cow), "--json", "--check", "--base", s(&base)]);
+    has(&v, &["ops_total", "merge_state", "merge_complete", "check"]);
+    assert_eq!(v["check"]["ok"], true);
+    let b = d.path().join("b.img");
+    std::fs::copy(&base, &b).unwrap();
+    let v = json(&["merge", "--base", s(&b), "--cow", s(&cow), "--json"]);
+    has(
+        &v,
+        &[
+            "total_ops",
+            "merged",
+            "complete",
+            "check_seconds",
+            "seconds",
+        ],
+    );
+    let v = json(&[
+        "verity",
+        "format",
+        s(&expected),
+        s(&d.path().join("h")),
+        "--json",
+    ]);
+    has(&v, &["root_hash", "salt", "data_blocks"]);
+    let v = json(&["cleanup", "--json"]);
+    has(&v, &["removed", "failed"]);
+}
+
+#[test]
+fn each_failure_class_has_its_exit_status() {
+    let d = tempfile::tempdir().unwrap();
+    let (base, expected) = (vectors().join("base.img"), vectors().join("expected.img"));
+    let cow = d.path().join("u.cow");
+    assert_eq!(
+        code(&["diff", s(&base), s(&expected), "-o", s(&cow)]).0,
+        Some(0)
+    );
+    // Usage.
+    assert_eq!(code(&["inspect", s(&cow), "--no-such-flag"]).0, Some(2));
+    // Error: the command cannot decide.
+    let (c, e) = code(&["inspect", s(&d.path().join("missing.cow"))]);
+    assert_eq!(c, Some(1), "{e}");
+    // Mismatch: a wrong base, a bad merge order, a tree that does not verify.
+    let out = d.path().join("out.img");
+    let (c, e) = code(&[
+        "apply",
+        "--base",
+        s(&expected),
+        "--cow",
+        s(&cow),
+        "-o",
+        s(&out),
+    ]);
+    assert_eq!(c, Some(3), "{e}");
+    let (c, e) = code(&[
+        "inspect",
+        s(&vectors().join("v3_lz4_4096_badseq.cow")),
+        "--verify-merge",
+    ]);
+    assert_eq!(c, Some(3), "{e}");
+    let h = d.path().join("h");
+    assert_eq!(code(&["verity", "format", s(&expected), s(&h)]).0, Some(0));
+    let (c, e) = code(&["verity", "verify", s(&base), s(&h), &"00".repeat(32)]);
+    assert_eq!(c, Some(3), "{e}");
+}
