@@ -1,6 +1,6 @@
 //! `vabc`: the command-line front end. Each subcommand lives in `cmd/`.
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 
 /// The version of every `--json` report and of `serve --ready-file` (docs/cli.md):
 /// raised when a key changes meaning or goes away, not when one is added.
@@ -40,6 +40,10 @@ enum Command {
     Serve(Box<cmd::serve::Args>),
     /// Write the manifest (which base, which result) of a COW made by another tool.
     Manifest(cmd::manifest::Args),
+    /// Write the manual pages (vabc.1, vabc-diff.1, ...) into a folder.
+    Man(cmd::docs::ManArgs),
+    /// Print the completion script for a shell (bash, zsh, fish, elvish, powershell).
+    Completions(cmd::docs::CompletionArgs),
     /// Remove what killed `vabc serve` daemons left behind (mounts, loop and ublk devices).
     Cleanup(cmd::cleanup::Args),
 }
@@ -77,6 +81,8 @@ fn main() -> std::process::ExitCode {
         Command::Serve(a) => cmd::serve::run(*a),
         Command::Cleanup(a) => cmd::cleanup::run(a),
         Command::Manifest(a) => cmd::manifest::run(a),
+        Command::Man(a) => cmd::docs::man(a, Cli::command()),
+        Command::Completions(a) => cmd::docs::completions(a, Cli::command()),
     };
     match result {
         Ok(code) => code,

@@ -124,3 +124,37 @@ fn each_failure_class_has_its_exit_status() {
     let (c, e) = code(&["verity", "verify", s(&base), s(&h), &"00".repeat(32)]);
     assert_eq!(c, Some(3), "{e}");
 }
+
+#[test]
+fn the_documented_install_gives_manual_pages_and_completions() {
+    let prefix = tempfile::tempdir().unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/install.sh");
+    let o = std::process::Command::new("bash")
+        .arg(&script)
+        .arg(prefix.path())
+        .env("VABC", serve_common::vabc())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let man = prefix.path().join("share/man");
+    let o = std::process::Command::new("man")
+        .arg("-M")
+        .arg(&man)
+        .arg("vabc-diff")
+        .env("MANPAGER", "cat")
+        .env("PAGER", "cat")
+        .output()
+        .unwrap();
+    let page = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success() && page.contains("--compression"),
+        "{page}"
+    );
+    let bash =
+        std::fs::read_to_string(prefix.path().join("share/bash-completion/completions/vabc"))
+            .unwrap();
+    assert!(
+        bash.contains("_vabc") && bash.contains("--verity"),
+        "{bash}"
+    );
+}

@@ -2,6 +2,7 @@ pub mod apply;
 pub mod avb;
 pub mod cleanup;
 pub mod diff;
+pub mod docs;
 pub mod inspect;
 pub mod manifest;
 pub mod merge;
