@@ -6,6 +6,7 @@ use clap::{CommandFactory, Parser, Subcommand};
 /// raised when a key changes meaning or goes away, not when one is added.
 pub(crate) const SCHEMA_VERSION: u32 = 1;
 
+mod args;
 mod checks;
 mod cmd;
 mod output;

@@ -24,9 +24,9 @@ pub struct Args {
     /// Apply the COW only up to this label (resume point).
     #[arg(long)]
     label: Option<u64>,
-    /// Size of the new image in bytes (the COW format does not record it). Default:
-    /// the size in the update's manifest, else the base size extended to cover every op.
-    #[arg(long)]
+    /// Size of the new image in bytes, K/M/G/T suffixes allowed (the COW format does
+    /// not record it). Default: the size in the update's manifest.
+    #[arg(long, value_parser = crate::args::parse_size)]
     size: Option<u64>,
     #[command(flatten)]
     check: crate::checks::CheckArgs,

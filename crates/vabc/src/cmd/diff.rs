@@ -108,22 +108,13 @@ fn same_file(a: &Path, b: &Path) -> bool {
 }
 
 fn parse_factor(s: &str) -> Result<u32, String> {
-    let t = s.trim().to_ascii_lowercase();
-    let (num, mul) = match t.strip_suffix('k') {
-        Some(n) => (n, 1024),
-        None => (t.as_str(), 1),
-    };
-    let v: u32 = num
-        .parse::<u32>()
-        .ok()
-        .and_then(|n| n.checked_mul(mul))
-        .ok_or_else(|| format!("{s:?} is not a size (expected 4k..256k)"))?;
+    let v = crate::args::parse_size(s)?;
     if !(4096..=262_144).contains(&v) || !v.is_power_of_two() {
         return Err(format!(
             "{s:?}: the factor must be a power of two from 4k to 256k"
         ));
     }
-    Ok(v)
+    Ok(v as u32)
 }
 
 /// indicatif bar, shown only when stderr is a terminal.

@@ -28,7 +28,7 @@ pub struct Args {
     pub cow: PathBuf,
     /// Size of the new image in bytes (K/M/G suffixes allowed). Default: the base size,
     /// extended to cover every op.
-    #[arg(long, value_parser = parse_size)]
+    #[arg(long, value_parser = crate::args::parse_size)]
     pub size: Option<u64>,
     /// Export the new image as DIR/disk.img through FUSE (with --mount: where to put it).
     #[arg(long, value_name = "DIR")]
@@ -204,19 +204,6 @@ fn use_fuse_uring(args: &Args) -> anyhow::Result<bool> {
             }
         }
     }
-}
-
-fn parse_size(s: &str) -> Result<u64, String> {
-    let (num, mult) = match s.as_bytes().last() {
-        Some(b'K' | b'k') => (&s[..s.len() - 1], 1u64 << 10),
-        Some(b'M' | b'm') => (&s[..s.len() - 1], 1 << 20),
-        Some(b'G' | b'g') => (&s[..s.len() - 1], 1 << 30),
-        _ => (s, 1),
-    };
-    num.parse::<u64>()
-        .ok()
-        .and_then(|n| n.checked_mul(mult))
-        .ok_or_else(|| format!("invalid size {s:?}"))
 }
 
 fn parse_mode(s: &str) -> Result<u32, String> {
@@ -492,6 +479,12 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         false => Some(record.write(&serve::leftovers::run_dir())?),
     };
     println!("vabc serve: ready ({size} bytes); stop with Ctrl-C or SIGTERM");
+    // A service manager's readiness protocol (systemd Type=notify); nothing without
+    // $NOTIFY_SOCKET.
+    let _ = sd_notify::notify(&[
+        sd_notify::NotifyState::Ready,
+        sd_notify::NotifyState::Status(&format!("serving {size} bytes")),
+    ]);
     use std::io::Write;
     let _ = std::io::stdout().flush();
 
@@ -531,6 +524,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         std::thread::sleep(Duration::from_millis(100));
     }
 
+    let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
     // A merge still running stops at its next commit; the next run resumes.
     if let Some(job) = merge_job {
         match job.cancel_and_join() {
