@@ -48,6 +48,14 @@ fn every_json_report_parses_and_carries_its_schema_version() {
     let (base, expected) = (vectors().join("base.img"), vectors().join("expected.img"));
     let cow = d.path().join("u.cow");
     let v = json(&["diff", s(&base), s(&expected), "-o", s(&cow), "--json"]);
+    // An unmerged copy for apply and manifest (the merge below uses the COW up).
+    let fresh = d.path().join("fresh.cow");
+    std::fs::copy(&cow, &fresh).unwrap();
+    std::fs::copy(
+        d.path().join("u.cow.manifest"),
+        d.path().join("fresh.cow.manifest"),
+    )
+    .unwrap();
     has(
         &v,
         &[
@@ -85,6 +93,63 @@ fn every_json_report_parses_and_carries_its_schema_version() {
     has(&v, &["root_hash", "salt", "data_blocks"]);
     let v = json(&["cleanup", "--json"]);
     has(&v, &["removed", "failed"]);
+    let out = d.path().join("out.img");
+    let v = json(&[
+        "apply",
+        "--base",
+        s(&base),
+        "--cow",
+        s(&fresh),
+        "-o",
+        s(&out),
+        "--json",
+    ]);
+    has(&v, &["output", "size", "base_checked", "new_sha256"]);
+    let root = run_vabc(&[
+        "verity",
+        "format",
+        s(&expected),
+        s(&d.path().join("h2")),
+        "--json",
+    ]);
+    let root: serde_json::Value = serde_json::from_slice(&root.stdout).unwrap();
+    let root = root["root_hash"].as_str().unwrap().to_string();
+    let v = json(&[
+        "verity",
+        "verify",
+        s(&expected),
+        s(&d.path().join("h2")),
+        &root,
+        "--json",
+    ]);
+    assert_eq!(v["verified"], true);
+    let m = d.path().join("m.manifest");
+    let v = json(&[
+        "manifest",
+        s(&base),
+        s(&expected),
+        "--cow",
+        s(&fresh),
+        "-o",
+        s(&m),
+        "--json",
+    ]);
+    has(&v, &["manifest", "base_sha256", "new_sha256", "cow_ops"]);
+    let img = d.path().join("avb.img");
+    std::fs::copy(&expected, &img).unwrap();
+    let v = json(&[
+        "avb",
+        "add-hashtree-footer",
+        s(&img),
+        "--partition-size",
+        "8M",
+        "--partition-name",
+        "system",
+        "--json",
+    ]);
+    assert_eq!(v["descriptors"][0]["partition_name"], "system");
+    let v = json(&["avb", "info", s(&img), "--json"]);
+    has(&v, &["image_size", "footer", "descriptors"]);
 }
 
 #[test]

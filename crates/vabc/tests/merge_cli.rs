@@ -38,7 +38,7 @@ fn merge_vectors_with_both_engines_pause_and_resume() {
                 "1",
             ]);
             assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-            assert!(String::from_utf8_lossy(&o.stderr).contains("paused after 3"));
+            assert!(String::from_utf8_lossy(&o.stdout).contains("paused after 3"));
             assert_ne!(sha256_file(&base), EXPECTED_SHA);
             let o = run_vabc(&[
                 "merge", "--base", b, "--cow", c, "--engine", engine, "--json",
@@ -50,7 +50,7 @@ fn merge_vectors_with_both_engines_pause_and_resume() {
             assert_eq!(sha256_file(&base), EXPECTED_SHA, "{name} {engine}");
             let o = run_vabc(&["merge", "--base", b, "--cow", c]);
             assert!(o.status.success());
-            assert!(String::from_utf8_lossy(&o.stderr).contains("already complete"));
+            assert!(String::from_utf8_lossy(&o.stdout).contains("already complete"));
             assert_eq!(sha256_file(&base), EXPECTED_SHA);
         }
     }

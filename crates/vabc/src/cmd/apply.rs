@@ -30,6 +30,9 @@ pub struct Args {
     size: Option<u64>,
     #[command(flatten)]
     check: crate::checks::CheckArgs,
+    /// Print a JSON report on stdout.
+    #[arg(long)]
+    json: bool,
 }
 
 pub fn run(a: Args) -> Result<ExitCode> {
@@ -132,12 +135,25 @@ pub fn run(a: Args) -> Result<ExitCode> {
         crate::output::commit(tmp, &a.output)?;
     }
     bar.finish_and_clear();
-    eprintln!(
-        "wrote {} ({size} bytes) from {} + {}",
-        a.output.display(),
-        a.base.display(),
-        a.cow.display()
-    );
+    if a.json {
+        let v = serde_json::json!({
+            "schema_version": crate::SCHEMA_VERSION,
+            "output": a.output,
+            "size": size,
+            "base": a.base,
+            "cow": a.cow,
+            "base_checked": manifest.is_some(),
+            "new_sha256": manifest.as_ref().map(|m| m.new.sha256.clone()),
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        println!(
+            "wrote {} ({size} bytes) from {} + {}",
+            a.output.display(),
+            a.base.display(),
+            a.cow.display()
+        );
+    }
     Ok(ExitCode::SUCCESS)
 }
 

@@ -38,7 +38,7 @@ struct AddArgs {
     /// Image to extend in place.
     image: PathBuf,
     /// Size of the partition in bytes (a multiple of 4096); the image becomes exactly this size.
-    #[arg(long, alias = "partition_size", value_name = "N")]
+    #[arg(long, alias = "partition_size", value_name = "N", value_parser = crate::args::parse_size)]
     partition_size: u64,
     /// Partition name stored in the descriptor (e.g. system).
     #[arg(long, alias = "partition_name", value_name = "NAME")]
@@ -57,12 +57,18 @@ struct AddArgs {
     /// Release string in the vbmeta header (default matches avbtool 1.3.0's bytes).
     #[arg(long, value_name = "S", default_value = avb::DEFAULT_RELEASE_STRING)]
     release_string: String,
+    /// Print the resulting footer and descriptors as JSON instead of avbtool's text.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(clap::Args)]
 struct InfoArgs {
     /// Image with an AVB footer, or a bare vbmeta image.
     image: PathBuf,
+    /// Print a JSON report instead of avbtool's text.
+    #[arg(long)]
+    json: bool,
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
@@ -70,10 +76,57 @@ pub fn run(args: Args) -> Result<ExitCode> {
         Sub::AddHashtreeFooter(a) => add(a),
         Sub::Info(a) => {
             let info = avb::read_image_info(&a.image)?;
-            print!("{}", avb::format_image_info(&info));
+            print_info(&info, a.json)?;
             Ok(ExitCode::SUCCESS)
         }
     }
+}
+
+/// avbtool's text, or the same facts as JSON.
+fn print_info(info: &avb::ImageInfo, json: bool) -> Result<()> {
+    if !json {
+        print!("{}", avb::format_image_info(info));
+        return Ok(());
+    }
+    let descriptors: Vec<serde_json::Value> = info
+        .descriptors
+        .iter()
+        .map(|d| match d {
+            avb::Descriptor::Hashtree(h) => serde_json::json!({
+                "type": "hashtree",
+                "partition_name": h.partition_name,
+                "image_size": h.image_size,
+                "tree_offset": h.tree_offset,
+                "tree_size": h.tree_size,
+                "data_block_size": h.data_block_size,
+                "hash_block_size": h.hash_block_size,
+                "hash_algorithm": h.hash_algorithm,
+                "salt": hex::encode(&h.salt),
+                "root_digest": hex::encode(&h.root_digest),
+                "dm_verity_version": h.dm_verity_version,
+                "flags": h.flags,
+            }),
+            avb::Descriptor::Other { tag, bytes } => serde_json::json!({
+                "type": "other",
+                "tag": tag,
+                "size": bytes.len(),
+            }),
+        })
+        .collect();
+    let v = serde_json::json!({
+        "schema_version": crate::SCHEMA_VERSION,
+        "image_size": info.image_size,
+        "footer": info.footer.as_ref().map(|f| serde_json::json!({
+            "version": format!("{}.{}", f.version_major, f.version_minor),
+            "original_image_size": f.original_image_size,
+            "vbmeta_offset": f.vbmeta_offset,
+            "vbmeta_size": f.vbmeta_size,
+        })),
+        "release_string": info.header.release_string,
+        "descriptors": descriptors,
+    });
+    println!("{}", serde_json::to_string_pretty(&v)?);
+    Ok(())
 }
 
 fn add(a: AddArgs) -> Result<ExitCode> {
@@ -95,6 +148,6 @@ fn add(a: AddArgs) -> Result<ExitCode> {
     opts.release_string = a.release_string;
     avb::add_hashtree_footer(&a.image, &opts, None)?;
     let info = avb::read_image_info(&a.image)?;
-    print!("{}", avb::format_image_info(&info));
+    print_info(&info, a.json)?;
     Ok(ExitCode::SUCCESS)
 }

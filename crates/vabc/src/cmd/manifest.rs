@@ -23,6 +23,9 @@ pub struct Args {
     /// Skip checking that OLD + COW make NEW (a full decode pass).
     #[arg(long)]
     no_check: bool,
+    /// Print a JSON report on stdout.
+    #[arg(long)]
+    json: bool,
 }
 
 fn id(path: &Path) -> Result<ImageId> {
@@ -58,6 +61,19 @@ pub fn run(a: Args) -> Result<ExitCode> {
     }
     let out = a.output.unwrap_or_else(|| Manifest::path_for(&a.cow));
     crate::output::write_atomic(&out, m.to_json().as_bytes())?;
-    println!("{}", out.display());
+    if a.json {
+        let v = serde_json::json!({
+            "schema_version": crate::SCHEMA_VERSION,
+            "manifest": out,
+            "base_sha256": m.base.sha256,
+            "new_sha256": m.new.sha256,
+            "new_size": m.new.size,
+            "cow_ops": m.cow_ops,
+            "checked": !a.no_check,
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        println!("{}", out.display());
+    }
     Ok(ExitCode::SUCCESS)
 }

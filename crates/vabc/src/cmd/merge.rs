@@ -201,7 +201,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
     } else if report.started_at == report.total_ops {
-        eprintln!(
+        println!(
             "{}: merge already complete ({} ops)",
             a.cow.display(),
             report.total_ops
@@ -212,7 +212,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
         } else {
             String::new()
         };
-        eprintln!(
+        println!(
             "merged {} of {} ops into {}{resumed} in {secs:.2} s ({} syscalls, {} fsyncs)",
             report.merged - report.started_at,
             report.total_ops,
@@ -221,7 +221,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
             report.io.fsyncs
         );
         if !report.complete() {
-            eprintln!(
+            println!(
                 "paused after {} of {} ops; run again to resume",
                 report.merged, report.total_ops
             );

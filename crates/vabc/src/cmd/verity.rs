@@ -82,6 +82,9 @@ struct VerifyArgs {
     root_hash: String,
     #[command(flatten)]
     opts: TreeOpts,
+    /// Print a JSON report on stdout (`verified`, and `error` when it is false).
+    #[arg(long)]
+    json: bool,
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
@@ -520,12 +523,25 @@ fn verify(a: VerifyArgs) -> Result<ExitCode> {
     };
     match verity::verify_tree(data, &params, hash, tree_off, &root, None) {
         Ok(()) => {
-            println!(
-                "Verified {} data blocks of {} bytes against root hash {}",
-                params.data_blocks,
-                params.data_block_size,
-                hex::encode(&root)
-            );
+            if a.json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&serde_json::json!({
+                        "schema_version": crate::SCHEMA_VERSION,
+                        "verified": true,
+                        "data_blocks": params.data_blocks,
+                        "data_block_size": params.data_block_size,
+                        "root_hash": hex::encode(&root),
+                    }))?
+                );
+            } else {
+                println!(
+                    "Verified {} data blocks of {} bytes against root hash {}",
+                    params.data_blocks,
+                    params.data_block_size,
+                    hex::encode(&root)
+                );
+            }
             Ok(ExitCode::SUCCESS)
         }
         Err(e) if e.is_integrity_error() => {
@@ -534,6 +550,17 @@ fn verify(a: VerifyArgs) -> Result<ExitCode> {
             } else {
                 "hash area"
             };
+            if a.json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&serde_json::json!({
+                        "schema_version": crate::SCHEMA_VERSION,
+                        "verified": false,
+                        "area": area,
+                        "error": e.to_string(),
+                    }))?
+                );
+            }
             eprintln!("vabc: Verification of {area} failed: {e}");
             Ok(ExitCode::from(crate::checks::EXIT_MISMATCH))
         }
