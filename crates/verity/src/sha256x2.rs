@@ -238,9 +238,11 @@ unsafe fn compress_pair(
 ) {
     let mask = _mm_set_epi64x(0x0c0d_0e0f_0809_0a0b, 0x0405_0607_0001_0203);
     let (save_abef_a, save_cdgh_a, save_abef_b, save_cdgh_b) = (*abef_a, *cdgh_a, *abef_b, *cdgh_b);
-    // SAFETY (all four loads): the caller guarantees 64 readable bytes at pa and pb.
     let load = |p: *const u8, i: usize| {
-        _mm_shuffle_epi8(unsafe { _mm_loadu_si128(p.add(i * 16).cast()) }, mask)
+        // SAFETY: the caller guarantees 64 readable bytes at pa and pb, and every
+        // call here has i < 4.
+        let v = unsafe { _mm_loadu_si128(p.add(i * 16).cast()) };
+        _mm_shuffle_epi8(v, mask)
     };
     let (mut a0, mut a1, mut a2, mut a3) = (load(pa, 0), load(pa, 1), load(pa, 2), load(pa, 3));
     let (mut b0, mut b1, mut b2, mut b3) = (load(pb, 0), load(pb, 1), load(pb, 2), load(pb, 3));

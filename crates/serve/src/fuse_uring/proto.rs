@@ -2,6 +2,8 @@
 //! FUSE-over-io_uring structures (`include/uapi/linux/fuse.h`, protocol 7.42+).
 //! Layouts are checked against the kernel's sizes in the tests below.
 
+use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
+
 // Opcodes (enum fuse_opcode).
 pub const LOOKUP: u32 = 1;
 pub const FORGET: u32 = 2;
@@ -67,28 +69,21 @@ pub const FUSE_IO_URING_CMD_COMMIT_AND_FETCH: u32 = 2;
 pub const FUSE_URING_IN_OUT_HEADER_SZ: usize = 128;
 pub const FUSE_URING_OP_IN_OUT_SZ: usize = 128;
 
-/// Plain-old-data wire structs: any byte pattern is a valid value, no padding the kernel
-/// would not also send.
-///
-/// # Safety
-/// Implement only for `#[repr(C)]` structs of integers (and arrays of them) whose size
-/// has no implicit padding.
-pub unsafe trait Pod: Copy + Default {}
+/// Plain-old-data wire structs: any byte pattern is a valid value, and no padding the
+/// kernel would not also send. zerocopy's derives prove both at compile time, so no
+/// hand-written `unsafe impl` is needed.
+pub trait Pod: FromBytes + IntoBytes + Immutable + KnownLayout + Copy + Default {}
+
+impl<T: FromBytes + IntoBytes + Immutable + KnownLayout + Copy + Default> Pod for T {}
 
 /// Reads a `T` from the start of `b` (any alignment); `None` when `b` is too short.
 pub fn read<T: Pod>(b: &[u8]) -> Option<T> {
-    if b.len() < size_of::<T>() {
-        return None;
-    }
-    // SAFETY: `b` holds at least size_of::<T>() bytes, and T: Pod accepts any bytes;
-    // read_unaligned copes with any alignment.
-    Some(unsafe { std::ptr::read_unaligned(b.as_ptr().cast::<T>()) })
+    T::read_from_prefix(b).ok().map(|(t, _)| t)
 }
 
 /// The bytes of a wire struct.
 pub fn bytes<T: Pod>(t: &T) -> &[u8] {
-    // SAFETY: T: Pod has no padding, so all size_of::<T>() bytes are initialised.
-    unsafe { std::slice::from_raw_parts((t as *const T).cast::<u8>(), size_of::<T>()) }
+    t.as_bytes()
 }
 
 /// Writes `t` at the start of `out`; returns its size, or `None` when `out` is too short.
@@ -99,7 +94,9 @@ pub fn put<T: Pod>(out: &mut [u8], t: &T) -> Option<usize> {
 }
 
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, FromBytes, IntoBytes, Immutable, KnownLayout,
+)]
 pub struct InHeader {
     pub len: u32,
     pub opcode: u32,
@@ -113,7 +110,9 @@ pub struct InHeader {
 }
 
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, FromBytes, IntoBytes, Immutable, KnownLayout,
+)]
 pub struct OutHeader {
     pub len: u32,
     pub error: i32,
@@ -121,7 +120,7 @@ pub struct OutHeader {
 }
 
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, FromBytes, IntoBytes, Immutable, KnownLayout)]
 pub struct InitIn {
     pub major: u32,
     pub minor: u32,
@@ -144,7 +143,7 @@ impl InitIn {
 }
 
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, FromBytes, IntoBytes, Immutable, KnownLayout)]
 pub struct InitOut {
     pub major: u32,
     pub minor: u32,
@@ -163,7 +162,9 @@ pub struct InitOut {
 }
 
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, FromBytes, IntoBytes, Immutable, KnownLayout,
+)]
 pub struct Attr {
     pub ino: u64,
     pub size: u64,
@@ -184,7 +185,7 @@ pub struct Attr {
 }
 
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, FromBytes, IntoBytes, Immutable, KnownLayout)]
 pub struct EntryOut {
     pub nodeid: u64,
     pub generation: u64,
@@ -196,7 +197,7 @@ pub struct EntryOut {
 }
 
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, FromBytes, IntoBytes, Immutable, KnownLayout)]
 pub struct AttrOut {
     pub attr_valid: u64,
     pub attr_valid_nsec: u32,
@@ -205,14 +206,14 @@ pub struct AttrOut {
 }
 
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, FromBytes, IntoBytes, Immutable, KnownLayout)]
 pub struct OpenIn {
     pub flags: u32,
     pub open_flags: u32,
 }
 
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, FromBytes, IntoBytes, Immutable, KnownLayout)]
 pub struct OpenOut {
     pub fh: u64,
     pub open_flags: u32,
@@ -221,7 +222,9 @@ pub struct OpenOut {
 
 /// Also the argument of READDIR.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, FromBytes, IntoBytes, Immutable, KnownLayout,
+)]
 pub struct ReadIn {
     pub fh: u64,
     pub offset: u64,
@@ -233,7 +236,7 @@ pub struct ReadIn {
 }
 
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, FromBytes, IntoBytes, Immutable, KnownLayout)]
 pub struct StatfsOut {
     pub blocks: u64,
     pub bfree: u64,
@@ -248,7 +251,7 @@ pub struct StatfsOut {
 }
 
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, FromBytes, IntoBytes, Immutable, KnownLayout)]
 pub struct LseekIn {
     pub fh: u64,
     pub offset: u64,
@@ -257,20 +260,20 @@ pub struct LseekIn {
 }
 
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, FromBytes, IntoBytes, Immutable, KnownLayout)]
 pub struct LseekOut {
     pub offset: u64,
 }
 
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, FromBytes, IntoBytes, Immutable, KnownLayout)]
 pub struct AccessIn {
     pub mask: u32,
     pub padding: u32,
 }
 
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, FromBytes, IntoBytes, Immutable, KnownLayout)]
 pub struct Dirent {
     pub ino: u64,
     pub off: u64,
@@ -279,7 +282,9 @@ pub struct Dirent {
 }
 
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, FromBytes, IntoBytes, Immutable, KnownLayout,
+)]
 pub struct UringEntInOut {
     pub flags: u64,
     /// The request's `unique`; echoed in [`UringCmdReq::commit_id`] to answer it.
@@ -292,7 +297,7 @@ pub struct UringEntInOut {
 
 /// The header buffer of one ring entry (`iov[0]` of a REGISTER).
 #[repr(C)]
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, FromBytes, IntoBytes, Immutable, KnownLayout)]
 pub struct UringReqHeader {
     /// `InHeader` from the kernel, `OutHeader` back to it.
     pub in_out: [u8; FUSE_URING_IN_OUT_HEADER_SZ],
@@ -314,7 +319,9 @@ impl Default for UringReqHeader {
 
 /// What goes into the 80-byte command area of the SQE128.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, FromBytes, IntoBytes, Immutable, KnownLayout,
+)]
 pub struct UringCmdReq {
     pub flags: u64,
     pub commit_id: u64,
@@ -330,27 +337,7 @@ impl UringCmdReq {
     }
 }
 
-// SAFETY: all of these are repr(C) structs of integers without implicit padding (the
-// sizes are asserted below and in the tests).
-unsafe impl Pod for InHeader {}
-unsafe impl Pod for OutHeader {}
-unsafe impl Pod for InitIn {}
-unsafe impl Pod for InitOut {}
-unsafe impl Pod for Attr {}
-unsafe impl Pod for EntryOut {}
-unsafe impl Pod for AttrOut {}
-unsafe impl Pod for OpenIn {}
-unsafe impl Pod for OpenOut {}
-unsafe impl Pod for ReadIn {}
-unsafe impl Pod for StatfsOut {}
-unsafe impl Pod for AccessIn {}
-unsafe impl Pod for LseekIn {}
-unsafe impl Pod for LseekOut {}
-unsafe impl Pod for Dirent {}
-unsafe impl Pod for UringEntInOut {}
-unsafe impl Pod for UringReqHeader {}
-unsafe impl Pod for UringCmdReq {}
-
+// Their sizes, as the kernel's headers have them.
 const _: () = {
     assert!(size_of::<LseekIn>() == 24);
     assert!(size_of::<LseekOut>() == 8);
