@@ -14,24 +14,9 @@ const BS: usize = 4096;
 const BLOCKS: usize = 2048;
 const TAIL: usize = 1000;
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn fill(&mut self, buf: &mut [u8]) {
-        for b in buf {
-            *b = self.next() as u8;
-        }
-    }
-}
-
 /// Writes base.img and update.cow into `dir`; returns the expected new image.
 fn make_update(dir: &Path) -> Vec<u8> {
-    let mut rng = Rng(0x1234_5678_9abc_def1);
+    let mut rng = fastrand::Rng::with_seed(0x1234_5678_9abc_def1);
     let mut base = vec![0u8; BLOCKS * BS + TAIL];
     rng.fill(&mut base);
     std::fs::write(dir.join("base.img"), &base).unwrap();
@@ -46,7 +31,7 @@ fn make_update(dir: &Path) -> Vec<u8> {
     let mut sources: Vec<usize> = (256..1792).collect();
     for chunk in sources.chunks_mut(64) {
         for i in (1..chunk.len()).rev() {
-            let j = (rng.next() % (i as u64 + 1)) as usize;
+            let j = (rng.u64(..) % (i as u64 + 1)) as usize;
             chunk.swap(i, j);
         }
     }
@@ -144,11 +129,11 @@ fn large_reads_match_at_any_alignment() {
             assert!(out == &want[start..], "direct={direct}: tail from {start}");
         }
         // Unaligned offsets, lengths and memory.
-        let mut rng = Rng(77);
+        let mut rng = fastrand::Rng::with_seed(77);
         let mut v = vec![0u8; (1 << 20) + 1];
         for _ in 0..60 {
-            let off = (rng.next() % want.len() as u64) as usize;
-            let len = ((rng.next() % (600 << 10)) as usize + 1).min(want.len() - off);
+            let off = (rng.u64(..) % want.len() as u64) as usize;
+            let len = ((rng.u64(..) % (600 << 10)) as usize + 1).min(want.len() - off);
             let out = &mut v[1..1 + len];
             e.read_at(out, off as u64).unwrap();
             assert!(

@@ -37,17 +37,6 @@ fn open(cow: &str, opts: &CowEngineOptions) -> CowEngine {
     CowEngine::open(&vectors().join("base.img"), &vectors().join(cow), opts).unwrap()
 }
 
-/// Deterministic xorshift so failures reproduce.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-}
-
 #[test]
 fn whole_image_matches_expected_for_every_vector() {
     let want = expected();
@@ -77,12 +66,12 @@ fn unaligned_random_reads_match() {
     let want = expected();
     for cow in COWS {
         let e = open(cow, &CowEngineOptions::default());
-        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        let mut rng = fastrand::Rng::with_seed(0x9e37_79b9_7f4a_7c15);
         let mut buf = vec![0u8; 1 << 20];
         for _ in 0..400 {
-            let off = rng.next() % want.len() as u64;
+            let off = rng.u64(..) % want.len() as u64;
             let max = (want.len() as u64 - off).min(300_000);
-            let len = (rng.next() % max + 1) as usize;
+            let len = (rng.u64(..) % max + 1) as usize;
             e.read_at(&mut buf[..len], off).unwrap();
             assert!(
                 buf[..len] == want[off as usize..off as usize + len],
@@ -147,12 +136,12 @@ fn concurrent_readers_match() {
         .map(|t| {
             let (e, want) = (e.clone(), want.clone());
             std::thread::spawn(move || {
-                let mut rng = Rng(t * 7919 + 1);
+                let mut rng = fastrand::Rng::with_seed(t * 7919 + 1);
                 let mut buf = vec![0u8; 128 << 10];
                 for _ in 0..500 {
-                    let off = rng.next() % want.len() as u64;
+                    let off = rng.u64(..) % want.len() as u64;
                     let len =
-                        ((rng.next() % (128 << 10)) as usize + 1).min(want.len() - off as usize);
+                        ((rng.u64(..) % (128 << 10)) as usize + 1).min(want.len() - off as usize);
                     e.read_at(&mut buf[..len], off).unwrap();
                     assert!(buf[..len] == want[off as usize..off as usize + len]);
                 }

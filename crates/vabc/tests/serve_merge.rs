@@ -194,7 +194,7 @@ fn fuse_serves_new_image_during_merge(verified: bool) {
             let (want, done, disk) = (want.clone(), done.clone(), disk.clone());
             std::thread::spawn(move || {
                 let f = std::fs::File::open(&disk).unwrap();
-                let mut x = r.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+                let mut rng = fastrand::Rng::with_seed(r.wrapping_mul(0x9e37_79b9_7f4a_7c15));
                 let mut reads = 0u64;
                 let mut pos = 0u64;
                 // At least 200 reads each, and on until the merge is over.
@@ -205,9 +205,7 @@ fn fuse_serves_new_image_during_merge(verified: bool) {
                         pos = if at + len >= size { 0 } else { at + len };
                         (at, len)
                     } else {
-                        x ^= x << 13;
-                        x ^= x >> 7;
-                        x ^= x << 17;
+                        let x = rng.u64(..);
                         let len = [BS as u64, 3 * BS as u64 + 100, 256 << 10][(x % 3) as usize];
                         ((x >> 8) % (size - len), len)
                     };

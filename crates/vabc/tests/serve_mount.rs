@@ -134,13 +134,8 @@ fn fuse_file_is_byte_exact_under_concurrent_readers() {
         );
 
         // 8 processes, each checking 40 random (offset, length) ranges with cmp.
-        let mut seed = 0x2545_f491_4f6c_dd1du64;
-        let mut next = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed
-        };
+        let mut rng = fastrand::Rng::with_seed(0x2545_f491_4f6c_dd1d);
+        let mut next = move || rng.u64(..);
         let procs: Vec<_> = (0..8)
             .map(|_| {
                 let mut script = String::from("set -e\n");

@@ -210,13 +210,11 @@ fn pipelined_reads_on_several_connections_match_and_writes_are_refused() {
             std::thread::spawn(move || {
                 let (mut s, got_size) = connect(&sock);
                 assert_eq!(got_size, want.len() as u64);
-                let mut seed = c * 7919 + 17;
+                let mut rng = fastrand::Rng::with_seed(c * 7919 + 17);
                 let mut reqs = std::collections::HashMap::new();
                 // 32 reads in flight per connection before reading any reply.
                 for cookie in 0..32u64 {
-                    seed ^= seed << 13;
-                    seed ^= seed >> 7;
-                    seed ^= seed << 17;
+                    let seed = rng.u64(..);
                     let off = seed % got_size;
                     let len = ((seed >> 20) % (256 << 10)).min(got_size - off).max(1) as u32;
                     request(&mut s, 0, cookie, off, len);

@@ -41,17 +41,10 @@ struct Fixture {
     copies: Vec<(u64, u64)>,
 }
 
-fn xorshift(seed: &mut u64) -> u64 {
-    *seed ^= *seed << 13;
-    *seed ^= *seed >> 7;
-    *seed ^= *seed << 17;
-    *seed
-}
-
-fn random_bytes(seed: &mut u64, n: usize) -> Vec<u8> {
-    (0..n / 8)
-        .flat_map(|_| xorshift(seed).to_le_bytes())
-        .collect()
+fn random_bytes(rng: &mut fastrand::Rng, n: usize) -> Vec<u8> {
+    let mut v = vec![0u8; n];
+    rng.fill(&mut v);
+    v
 }
 
 /// old.img (random), new.img = old with REPLACE, ZERO and COPY ranges, the COW
@@ -60,7 +53,7 @@ fn random_bytes(seed: &mut u64, n: usize) -> Vec<u8> {
 fn fixture() -> Fixture {
     let dir = tempfile::tempdir().unwrap();
     let t = dir.path();
-    let mut seed = 0x9e37_79b9_7f4a_7c15;
+    let mut seed = fastrand::Rng::with_seed(0x9e37_79b9_7f4a_7c15);
     let old_data = random_bytes(&mut seed, BLOCKS as usize * BS);
     let mut new_data = old_data.clone();
     let replace_ranges = [(100u64, 164u64), (500, 510), (900, 905)];

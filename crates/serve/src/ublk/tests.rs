@@ -37,20 +37,6 @@ fn read(start_sector: u64, nr_sectors: u32) -> IoDesc {
     IoDesc::new(IoOp::Read, 0, start_sector, nr_sectors)
 }
 
-/// Deterministic xorshift so failures reproduce.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
 /// A device wrapper that counts calls and can be made to fail.
 struct Probe {
     inner: Arc<dyn BlockDevice>,
@@ -137,10 +123,10 @@ fn reads_at_any_sector_match_the_image() {
             (sectors - 9, 9),
             (0, 2048),
         ];
-        let mut rng = Rng(0x5eed ^ cow.len() as u64);
+        let mut rng = fastrand::Rng::with_seed(0x5eed ^ cow.len() as u64);
         for _ in 0..300 {
-            let n = 1 + rng.below(2048) as u32;
-            cases.push((rng.below(sectors - u64::from(n) + 1), n));
+            let n = 1 + rng.u64(..2048) as u32;
+            cases.push((rng.u64(..sectors - u64::from(n) + 1), n));
         }
         for (start, n) in cases {
             buf.fill(0xa5);
@@ -419,7 +405,7 @@ fn queue_loop_with_every_tag_in_flight() {
     let dev = cow_engine("v3_zstd_16384.cow");
     let depth = 64;
     for workers in [0, 1, 8] {
-        let mut rng = Rng(99);
+        let mut rng = fastrand::Rng::with_seed(99);
         let sectors = want.len() as u64 / 512;
         let mut batches = Vec::new();
         let mut reqs = Vec::new();
@@ -429,9 +415,9 @@ fn queue_loop_with_every_tag_in_flight() {
                 let n = match tag % 4 {
                     0 => 2048,
                     1 => 8,
-                    _ => 1 + rng.below(300) as u32,
+                    _ => 1 + rng.u64(..300) as u32,
                 };
-                let start = rng.below(sectors - u64::from(n) + 1);
+                let start = rng.u64(..sectors - u64::from(n) + 1);
                 let desc = if round == 3 && tag == 5 {
                     IoDesc::new(IoOp::Write, 0, start, n)
                 } else if round == 3 && tag == 6 {
@@ -685,16 +671,16 @@ fn several_queues_on_threads_serve_the_image() {
         for (q, tx) in txs.iter().enumerate() {
             let tx = tx.clone();
             feeders.push(s.spawn(move || {
-                let mut rng = Rng(1 + q as u64);
+                let mut rng = fastrand::Rng::with_seed(1 + q as u64);
                 let mut sent = Vec::new();
                 for i in 0..192u32 {
                     let tag = (i % u32::from(depth)) as u16;
                     let n = if i % 7 == 0 {
                         2048
                     } else {
-                        1 + rng.below(256) as u32
+                        1 + rng.u64(..256) as u32
                     };
-                    let start = rng.below(sectors - u64::from(n) + 1);
+                    let start = rng.u64(..sectors - u64::from(n) + 1);
                     sent.push(((q as u16, tag), read(start, n)));
                     if i % u32::from(depth) == u32::from(depth) - 1 {
                         // Every tag in use: send them as one burst.

@@ -472,16 +472,11 @@ impl Drop for RefMount {
 pub fn sparse_pair(t: &Path) -> (PathBuf, PathBuf, PathBuf) {
     use std::os::unix::fs::FileExt;
     const MIB: usize = 1 << 20;
-    let mut x = 0x2545_f491_4f6c_dd1du64;
+    let mut rng = fastrand::Rng::with_seed(0x2545_f491_4f6c_dd1d);
     let mut bytes = |n: usize| -> Vec<u8> {
-        (0..n)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                x as u8
-            })
-            .collect()
+        let mut v = vec![0u8; n];
+        rng.fill(&mut v);
+        v
     };
     let old = t.join("old.img");
     let f = std::fs::File::create(&old).unwrap();
