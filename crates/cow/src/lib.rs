@@ -15,6 +15,7 @@
 pub mod codec;
 pub mod error;
 pub mod format;
+#[cfg(any(test, feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod merge;

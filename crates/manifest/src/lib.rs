@@ -25,6 +25,7 @@ use sha2::{Digest, Sha256};
 
 /// The body of the `manifest_parse` fuzz target, replayed over its corpus by
 /// `cargo test`.
+#[cfg(any(test, feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzzing {
     /// Parses `data` as manifest text: an error is fine, a panic or an accepted

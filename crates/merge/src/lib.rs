@@ -12,6 +12,7 @@
 //! - [`view`]: a reader of the new image that is correct during a merge.
 
 pub mod error;
+#[cfg(any(test, feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod io;

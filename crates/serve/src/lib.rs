@@ -13,6 +13,7 @@
 
 pub mod fuse;
 pub mod fuse_uring;
+#[cfg(any(test, feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod leftovers;

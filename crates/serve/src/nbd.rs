@@ -1137,6 +1137,7 @@ fn block_status(
 /// The body of the NBD fuzz target (see [`crate::fuzzing`]): the server side of
 /// one connection over a socket pair, fed `input` as everything the client
 /// sends, then end of stream. Returns every byte the server sent back.
+#[cfg(any(test, feature = "fuzzing"))]
 pub(crate) fn exercise_connection(input: &[u8]) -> Vec<u8> {
     use std::sync::OnceLock;
     static SHARED: OnceLock<Option<Arc<Shared>>> = OnceLock::new();

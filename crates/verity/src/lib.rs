@@ -14,6 +14,7 @@
 pub mod avb;
 mod build;
 mod error;
+#[cfg(any(test, feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzzing;
 mod hash;
