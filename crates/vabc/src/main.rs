@@ -19,6 +19,12 @@ mod progress;
     about = "Android Virtual A/B Compression: create, serve, merge and verify COW updates"
 )]
 struct Cli {
+    /// No progress bars or progress lines on stderr (errors are still printed).
+    #[arg(long, global = true)]
+    no_progress: bool,
+    /// Quiet: as --no-progress, for now.
+    #[arg(short, long, global = true)]
+    quiet: bool,
     #[command(subcommand)]
     command: Command,
 }
@@ -51,6 +57,7 @@ enum Command {
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
+    progress::init(cli.no_progress || cli.quiet);
     if !matches!(cli.command, Command::Serve(_)) {
         // A reader that goes away (`vabc inspect --ops --json | head -1`) ends us as it
         // ends any Unix tool: by SIGPIPE (exit 141), not by a panic in println!. The

@@ -223,3 +223,32 @@ fn the_documented_install_gives_manual_pages_and_completions() {
         "{bash}"
     );
 }
+
+#[test]
+fn progress_is_plain_lines_off_a_terminal_and_off_when_asked() {
+    let d = tempfile::tempdir().unwrap();
+    let (base, expected) = (vectors().join("base.img"), vectors().join("expected.img"));
+    let cow = d.path().join("u.cow");
+    let out = d.path().join("out.img");
+    let run = |extra: &[&str]| {
+        let o = std::process::Command::new(serve_common::vabc())
+            .args(["diff", s(&base), s(&expected), "-o", s(&cow)])
+            .args(extra)
+            .env("VABC_PROGRESS_INTERVAL", "0")
+            .output()
+            .unwrap();
+        assert!(o.status.success());
+        String::from_utf8_lossy(&o.stderr).into_owned()
+    };
+    let e = run(&[]);
+    assert!(e.contains("vabc: planning: ") && e.contains('%'), "{e}");
+    assert!(!e.contains('\r'), "a bar on a pipe: {e:?}");
+    assert_eq!(run(&["--no-progress"]), "");
+    assert_eq!(run(&["-q"]), "");
+    let o = std::process::Command::new(serve_common::vabc())
+        .args(["apply", "--base", s(&base), "--cow", s(&cow), "-o", s(&out)])
+        .env("VABC_PROGRESS_INTERVAL", "0")
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&o.stderr).contains("vabc: apply: "));
+}

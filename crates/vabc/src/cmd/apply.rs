@@ -86,7 +86,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
             view.base_size()
         );
     }
-    let bar = progress::bytes(size, "apply");
+    let bar = progress::Progress::new(size, "apply", progress::Unit::Bytes);
     let report = |done: u64| bar.set_position(done);
 
     if is_block_device(&a.output) {
@@ -134,7 +134,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
         }
         crate::output::commit(tmp, &a.output)?;
     }
-    bar.finish_and_clear();
+    bar.finish();
     if a.json {
         let v = serde_json::json!({
             "schema_version": crate::SCHEMA_VERSION,

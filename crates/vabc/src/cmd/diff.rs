@@ -1,18 +1,17 @@
 //! `vabc diff OLD NEW -o UPDATE.cow`: make the COW that turns OLD into NEW.
 
-use std::io::IsTerminal;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Mutex;
 use std::time::Instant;
 
+use crate::progress;
 use anyhow::{Context, bail};
 use clap::ValueEnum;
 use cow::Compression;
 use delta::write::{CowOptions, write_cow};
 use delta::{ImageFile, PlanOptions, Progress};
-use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -119,7 +118,7 @@ fn parse_factor(s: &str) -> Result<u32, String> {
 
 /// indicatif bar, shown only when stderr is a terminal.
 struct Bar {
-    bar: Mutex<Option<ProgressBar>>,
+    bar: Mutex<Option<progress::Progress>>,
     on: bool,
 }
 
@@ -131,13 +130,7 @@ impl Progress for Bar {
         if !self.on {
             return;
         }
-        let pb = ProgressBar::new(total);
-        pb.set_style(
-            ProgressStyle::with_template("{msg:>14} [{bar:40}] {pos}/{len} blocks ({eta})")
-                .unwrap_or_else(|_| ProgressStyle::default_bar())
-                .progress_chars("=> "),
-        );
-        pb.set_message(phase);
+        let pb = progress::Progress::new(total, phase, progress::Unit::Items("blocks"));
         if let Ok(mut b) = self.bar.lock() {
             *b = Some(pb);
         }
@@ -153,7 +146,7 @@ impl Progress for Bar {
         if let Ok(mut b) = self.bar.lock()
             && let Some(pb) = b.take()
         {
-            pb.finish_and_clear();
+            pb.finish();
         }
     }
 }
@@ -250,7 +243,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let new = ImageFile::open(&args.new, args.pad)?;
     let bar = Bar {
         bar: Mutex::new(None),
-        on: std::io::stderr().is_terminal() && !args.json,
+        // The mode (bar, lines, off) is decided by progress::init.
+        on: true,
     };
     let popts = PlanOptions {
         xor: !args.no_xor,

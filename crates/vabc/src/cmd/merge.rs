@@ -26,8 +26,8 @@ pub struct Args {
     /// forbid it), else sync.
     #[arg(long, value_enum, default_value_t = EngineKind::Auto)]
     engine: EngineKind,
-    /// Show a progress bar (on a terminal).
-    #[arg(long)]
+    /// Kept for old scripts: progress is now shown by default (docs/cli.md).
+    #[arg(long, hide = true)]
     progress: bool,
     /// uring engine: move data through the page cache instead of O_DIRECT
     /// (aligned transfers use O_DIRECT by default, where the filesystem
@@ -145,15 +145,11 @@ pub fn run(a: Args) -> Result<ExitCode> {
     // Validates the merge order and sizes before anything is written.
     let m = Merge::new(&cow, base_size, a.base.clone(), opts)?;
     let (mut io, engine) = merge_io(a.engine, base, cow_file, a.queue_depth, a.buffered)?;
-    let bar = if a.progress {
-        progress::count(m.total_ops(), "merge")
-    } else {
-        indicatif::ProgressBar::hidden()
-    };
+    let bar = progress::Progress::new(m.total_ops(), "merge", progress::Unit::Items("ops"));
     let t = Instant::now();
     let report = m.run(io.as_mut(), &|done, _| bar.set_position(done))?;
     let secs = t.elapsed().as_secs_f64();
-    bar.finish_and_clear();
+    bar.finish();
     // A resumed merge trusted the COW's record of what was already merged; check the
     // result it claims (cheap next to the merge: region hashes of the base).
     if report.complete()
