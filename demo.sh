@@ -6,18 +6,21 @@
 #   3. apply it offline and compare with the new image
 #   4. serve base + COW: mount the new filesystem, verified, before any merge
 #   5. merge it in place: the old image becomes the new one (sha256)
+# Env: DEMO_DIR (work folder, default $TMPDIR/vabc-demo), VABC_CORPUS (corpus images,
+# default $TMPDIR/corpus). Downloads: Debian packages, crates, and two wheels from PyPI.
 set -euo pipefail
 cd "$(dirname "$0")"
 ROOT=$(pwd)
 scripts/install-deps.sh
-cargo build --release -q -p vabc
+echo "== building vabc (cargo build --release: about 5 minutes on 2 cores the first time)"
+cargo build --release --locked -p vabc
 VABC=${CARGO_TARGET_DIR:-$ROOT/target}/release/vabc
 WORK=${DEMO_DIR:-${TMPDIR:-/tmp}/vabc-demo}
 CORPUS=${VABC_CORPUS:-${TMPDIR:-/tmp}/corpus}
 mkdir -p "$WORK"
 step() { printf '\n== %s\n' "$*"; }
 
-step "0. Build the tiny corpus pair (real ext4 images from pinned wheels; cached in $CORPUS)"
+step "0. Build the tiny corpus pair (ext4 images of two pillow wheels downloaded from PyPI; cached in $CORPUS)"
 [ -e "$CORPUS/tiny/new.ext4.img" ] || bash "$ROOT/../shared/corpus/make-corpus.sh" -p tiny -o "$CORPUS"
 OLD=$CORPUS/tiny/old.ext4.img
 NEW=$CORPUS/tiny/new.ext4.img
