@@ -7,14 +7,19 @@
 #   4. serve base + COW: mount the new filesystem, verified, before any merge
 #   5. merge it in place: the old image becomes the new one (sha256)
 # Env: DEMO_DIR (work folder, default $TMPDIR/vabc-demo), VABC_CORPUS (corpus images,
-# default $TMPDIR/corpus). Downloads: Debian packages, crates, and two wheels from PyPI.
+# default $TMPDIR/corpus), VABC (a vabc binary to use instead of building one, e.g. the
+# static one of `scripts/package.sh musl`). Downloads: Debian packages, crates, and two
+# wheels from PyPI.
 set -euo pipefail
 cd "$(dirname "$0")"
 ROOT=$(pwd)
 scripts/install-deps.sh
-echo "== building vabc (cargo build --release: about 5 minutes on 2 cores the first time)"
-cargo build --release --locked -p vabc
-VABC=${CARGO_TARGET_DIR:-$ROOT/target}/release/vabc
+if [ -z "${VABC:-}" ]; then
+	echo "== building vabc (cargo build --release: about 5 minutes on 2 cores the first time)"
+	cargo build --release --locked -p vabc
+	VABC=${CARGO_TARGET_DIR:-$ROOT/target}/release/vabc
+fi
+VABC=$(realpath "$VABC")
 WORK=${DEMO_DIR:-${TMPDIR:-/tmp}/vabc-demo}
 CORPUS=${VABC_CORPUS:-${TMPDIR:-/tmp}/corpus}
 mkdir -p "$WORK"

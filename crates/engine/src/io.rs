@@ -217,7 +217,7 @@ fn block_device_size(file: &File) -> std::io::Result<u64> {
     let mut size: u64 = 0;
     // SAFETY: BLKGETSIZE64 writes one u64 through the pointer, which points to a live,
     // properly aligned u64; the descriptor is valid for the duration of the call.
-    let rc = unsafe { libc::ioctl(file.as_raw_fd(), BLKGETSIZE64, &mut size as *mut u64) };
+    let rc = unsafe { libc::ioctl(file.as_raw_fd(), BLKGETSIZE64 as _, &mut size as *mut u64) };
     if rc < 0 {
         return Err(std::io::Error::last_os_error());
     }

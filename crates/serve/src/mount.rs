@@ -174,7 +174,7 @@ impl LoopDevice {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             // SAFETY: LOOP_CTL_GET_FREE takes no argument and returns a device number.
-            let n = unsafe { libc::ioctl(ctl.as_raw_fd(), LOOP_CTL_GET_FREE) };
+            let n = unsafe { libc::ioctl(ctl.as_raw_fd(), LOOP_CTL_GET_FREE as _) };
             if n < 0 {
                 return Err(io_err("find a free loop device via", "/dev/loop-control")(
                     std::io::Error::last_os_error(),
@@ -259,7 +259,7 @@ impl LoopDevice {
             return Ok(());
         };
         // SAFETY: LOOP_CLR_FD takes no argument; the descriptor is open.
-        let rc = unsafe { libc::ioctl(dev.as_raw_fd(), LOOP_CLR_FD) };
+        let rc = unsafe { libc::ioctl(dev.as_raw_fd(), LOOP_CLR_FD as _) };
         let err = std::io::Error::last_os_error();
         drop(dev);
         // ENXIO: already detached (autoclear ran). While we hold the device open CLR_FD
@@ -312,7 +312,13 @@ fn configure(dev: &File, backing: &File, flags: u32) -> std::io::Result<()> {
     };
     // SAFETY: LOOP_CONFIGURE reads one `struct loop_config`, whose layout LoopConfig
     // mirrors (repr(C)); the pointer is valid for the call and both fds are open.
-    let rc = unsafe { libc::ioctl(dev.as_raw_fd(), LOOP_CONFIGURE, &mut cfg as *mut LoopConfig) };
+    let rc = unsafe {
+        libc::ioctl(
+            dev.as_raw_fd(),
+            LOOP_CONFIGURE as _,
+            &mut cfg as *mut LoopConfig,
+        )
+    };
     if rc < 0 {
         return Err(std::io::Error::last_os_error());
     }
