@@ -74,16 +74,22 @@ pub fn commit(tmp: NamedTempFile, dest: &Path) -> Result<()> {
         .unwrap_or_else(|p| p.into_inner())
         .retain(|p| p != tmp.path());
     // Temporary files are created 0600; the output gets the mode any new file would.
-    {
-        use std::os::unix::fs::PermissionsExt;
-        let mode = 0o666 & !umask();
-        tmp.as_file()
-            .set_permissions(std::fs::Permissions::from_mode(mode))
-            .with_context(|| format!("chmod {}", tmp.path().display()))?;
-    }
+    set_default_mode(tmp.path())?;
     tmp.persist(dest)
         .with_context(|| format!("rename the temporary file to {}", dest.display()))?;
     Ok(())
+}
+
+/// Gives a regular file the mode a newly created file gets (0666 less the umask);
+/// leaves devices alone.
+pub fn set_default_mode(path: &Path) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let md = std::fs::metadata(path).with_context(|| format!("stat {}", path.display()))?;
+    if !md.is_file() {
+        return Ok(());
+    }
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666 & !umask()))
+        .with_context(|| format!("chmod {}", path.display()))
 }
 
 /// The process's umask, from /proc (setting it to read it back would race with other

@@ -60,4 +60,27 @@ fn outputs_follow_the_umask() {
     assert!(st.success());
     let mode = std::fs::metadata(&out).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode, 0o644);
+    // The COW `diff` writes (through the COW writer's own temporary file), its
+    // manifest and verity tree too.
+    let cow = d.path().join("u.cow");
+    let st = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "umask 027 && exec {} diff {} {} -o {} --verity",
+            vabc(),
+            vectors().join("base.img").display(),
+            vectors().join("expected.img").display(),
+            cow.display()
+        ))
+        .status()
+        .unwrap();
+    assert!(st.success());
+    for f in ["u.cow", "u.cow.manifest", "u.cow.verity"] {
+        let mode = std::fs::metadata(d.path().join(f))
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o777;
+        assert_eq!(mode, 0o640, "{f}");
+    }
 }

@@ -78,8 +78,10 @@ pub struct Args {
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
     /// Treat images whose size is not a multiple of 4096 as zero-padded to
-    /// the next 4 KiB. The COW then describes the padded NEW: apply it with
-    /// `--size` = the padded size and truncate the result to NEW's size.
+    /// the next 4 KiB. The COW then describes the padded NEW and needs a padded
+    /// base: the base given to apply, merge or serve must be OLD zero-padded to a
+    /// multiple of 4096 too; apply it with `--size` = the padded size and truncate
+    /// the result to NEW's size.
     #[arg(long)]
     pub pad: bool,
     /// Print the op census, bytes per op type, sizes and times as JSON.
@@ -264,6 +266,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     };
     let w = write_cow(&plan, &old, &new, &args.output, &copts, &bar)
         .with_context(|| format!("writing {}", args.output.display()))?;
+    // The COW writer's temporary file was created 0600; give the COW the mode any new
+    // file gets.
+    crate::output::set_default_mode(&args.output)?;
     // What the update is for: the base it needs and the image it makes, checked by
     // apply, merge and serve before they read a base through this COW.
     let manifest_path = manifest::Manifest::path_for(&args.output);
