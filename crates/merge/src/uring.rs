@@ -425,7 +425,7 @@ impl UringIo {
                     if !self.ring.completion().is_empty() {
                         return Ok(());
                     }
-                    eprintln!(
+                    log::warn!(
                         "vabc: io_uring made no progress for {} s; stopping (the merge resumes on the next run)",
                         STALL.as_secs()
                     );

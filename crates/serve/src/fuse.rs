@@ -139,7 +139,7 @@ fn serve_read(fs: &DiskFs, reply: ReplyData, offset: u64, want: u32) {
             }
         });
         if let Err(e) = result {
-            eprintln!("vabc serve: FUSE read of {n} bytes at offset {offset}: {e}");
+            log::warn!("vabc serve: FUSE read of {n} bytes at offset {offset}: {e}");
             if let Some(r) = reply.take() {
                 r.error(Errno::from_i32(e.errno()));
             }
@@ -373,7 +373,7 @@ impl FuseExport {
 impl Drop for FuseExport {
     fn drop(&mut self) {
         if let Err(e) = self.unmount_inner() {
-            eprintln!("vabc serve: {e}");
+            log::warn!("vabc serve: {e}");
         }
     }
 }

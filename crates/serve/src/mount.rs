@@ -284,7 +284,7 @@ impl LoopDevice {
 impl Drop for LoopDevice {
     fn drop(&mut self) {
         if let Err(e) = self.detach_inner() {
-            eprintln!("vabc serve: {e}");
+            log::warn!("vabc serve: {e}");
         }
     }
 }
@@ -396,7 +396,7 @@ impl Mounted {
 impl Drop for Mounted {
     fn drop(&mut self) {
         if let Err(e) = self.unmount_inner() {
-            eprintln!("vabc serve: {e}");
+            log::warn!("vabc serve: {e}");
         }
     }
 }
@@ -576,7 +576,7 @@ impl MountStack {
 impl Drop for MountStack {
     fn drop(&mut self) {
         if let Err(e) = self.teardown_inner() {
-            eprintln!("vabc serve: teardown: {e}");
+            log::warn!("vabc serve: teardown: {e}");
         }
     }
 }

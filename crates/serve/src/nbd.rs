@@ -493,9 +493,10 @@ impl Shared {
                         job.conn.read_reply(job.cookie, job.offset, 0, data)
                     });
                     if let Err(e) = result {
-                        eprintln!(
+                        log::warn!(
                             "vabc serve: NBD read of {} bytes at offset {}: {e}",
-                            job.len, job.offset
+                            job.len,
+                            job.offset
                         );
                         job.conn
                             .read_reply(job.cookie, job.offset, e.errno() as u32, &[]);
@@ -559,7 +560,7 @@ impl NbdServer {
             }
             NbdAddr::Tcp(a) => {
                 if a.ip().is_unspecified() && opts.tls.is_none() {
-                    eprintln!(
+                    log::warn!(
                         "vabc serve: warning: NBD on {a} accepts connections on every \
                          network interface, without authentication or encryption: anyone \
                          who can reach this host can read the image"
@@ -671,7 +672,7 @@ fn accept_loop(listener: Listener, shared: Arc<Shared>, wake: RawFd) {
         let Ok(stream) = stream else { continue };
         threads.retain(|t| !t.is_finished());
         if threads.len() >= shared.opts.max_connections {
-            eprintln!(
+            log::warn!(
                 "vabc serve: NBD: {} connections already; refusing another",
                 threads.len()
             );
@@ -701,7 +702,7 @@ fn accept_loop(listener: Listener, shared: Arc<Shared>, wake: RawFd) {
                             | io::ErrorKind::UnexpectedEof
                     )
                 {
-                    eprintln!("vabc serve: NBD connection {id}: {e}");
+                    log::warn!("vabc serve: NBD connection {id}: {e}");
                 }
                 sh.conns
                     .lock()
@@ -709,7 +710,7 @@ fn accept_loop(listener: Listener, shared: Arc<Shared>, wake: RawFd) {
                     .retain(|(i, _)| *i != id);
             }) {
             Ok(t) => threads.push(t),
-            Err(e) => eprintln!("vabc serve: cannot start NBD connection thread: {e}"),
+            Err(e) => log::warn!("vabc serve: cannot start NBD connection thread: {e}"),
         }
     }
     for (_, s) in shared

@@ -73,7 +73,7 @@ pub fn load_manifest(
         None => {
             let p = Manifest::path_for(cow_path);
             if !p.exists() {
-                eprintln!(
+                log::warn!(
                     "vabc: note: {} has no manifest ({} missing), so the base cannot be \
                      checked; `vabc diff` writes one",
                     cow_path.display(),

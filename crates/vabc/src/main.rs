@@ -22,9 +22,13 @@ struct Cli {
     /// No progress bars or progress lines on stderr (errors are still printed).
     #[arg(long, global = true)]
     no_progress: bool,
-    /// Quiet: as --no-progress, for now.
+    /// Quiet: no progress, and of the messages only errors.
     #[arg(short, long, global = true)]
     quiet: bool,
+    /// More messages (-v: debug, -vv: trace). VABC_LOG (env_logger's syntax, e.g.
+    /// `serve=debug`) overrides both.
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    verbose: u8,
     #[command(subcommand)]
     command: Command,
 }
@@ -58,6 +62,7 @@ enum Command {
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     progress::init(cli.no_progress || cli.quiet);
+    init_logging(cli.quiet, cli.verbose);
     if !matches!(cli.command, Command::Serve(_)) {
         // A reader that goes away (`vabc inspect --ops --json | head -1`) ends us as it
         // ends any Unix tool: by SIGPIPE (exit 141), not by a panic in println!. The
@@ -103,6 +108,24 @@ fn main() -> std::process::ExitCode {
             }
         }
     }
+}
+
+/// Messages of every crate through `log`: the text alone on stderr, as the commands
+/// always printed it; `-q` keeps errors, `-v`/`-vv` add debug/trace, `VABC_LOG` (the
+/// `RUST_LOG` syntax of env_logger) overrides.
+fn init_logging(quiet: bool, verbose: u8) {
+    use std::io::Write;
+    let level = match (quiet, verbose) {
+        (true, _) => log::LevelFilter::Error,
+        (false, 0) => log::LevelFilter::Info,
+        (false, 1) => log::LevelFilter::Debug,
+        _ => log::LevelFilter::Trace,
+    };
+    env_logger::Builder::new()
+        .filter_level(level)
+        .parse_env(env_logger::Env::new().filter("VABC_LOG"))
+        .format(|buf, record| writeln!(buf, "{}", record.args()))
+        .init();
 }
 
 /// The error and its causes joined by ": ", as `{:#}` would, except that a cause whose

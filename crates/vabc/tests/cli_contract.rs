@@ -252,3 +252,29 @@ fn progress_is_plain_lines_off_a_terminal_and_off_when_asked() {
         .unwrap();
     assert!(String::from_utf8_lossy(&o.stderr).contains("vabc: apply: "));
 }
+
+#[test]
+fn messages_go_through_one_logger_that_q_and_vabc_log_quiet() {
+    // A COW without a manifest: apply says it cannot check the base (a warning).
+    let d = tempfile::tempdir().unwrap();
+    let out = d.path().join("out.img");
+    let run = |extra: &[&str], env: Option<&str>| {
+        let mut c = std::process::Command::new(serve_common::vabc());
+        c.args(["apply", "--base"])
+            .arg(vectors().join("base.img"))
+            .arg("--cow")
+            .arg(vectors().join("v3_lz4_65536.cow"))
+            .arg("-o")
+            .arg(&out)
+            .args(extra);
+        if let Some(e) = env {
+            c.env("VABC_LOG", e);
+        }
+        let o = c.output().unwrap();
+        assert!(o.status.success());
+        String::from_utf8_lossy(&o.stderr).into_owned()
+    };
+    assert!(run(&[], None).contains("has no manifest"));
+    assert!(!run(&["-q"], None).contains("has no manifest"));
+    assert!(!run(&[], Some("error")).contains("has no manifest"));
+}

@@ -186,7 +186,7 @@ pub(crate) fn serve(
     // SAFETY: plain syscall; the descriptor is owned below.
     let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
     if efd < 0 {
-        eprintln!(
+        log::warn!(
             "vabc serve: FUSE io_uring queue {}: eventfd: {}; serving synchronously",
             q.qid,
             io::Error::last_os_error()
@@ -254,7 +254,7 @@ pub(crate) fn serve(
         }
         if !parts.poll.is_zero() && slots.iter().any(|s| s.req.is_some() && !s.worker) {
             if let Err(e) = poll(ring, parts.poll) {
-                eprintln!("vabc serve: FUSE io_uring queue {}: {e}", q.qid);
+                log::warn!("vabc serve: FUSE io_uring queue {}: {e}", q.qid);
                 break;
             }
             cqes.extend(ring.completion());
@@ -263,7 +263,7 @@ pub(crate) fn serve(
             }
         }
         if let Err(e) = submit(ring, 1) {
-            eprintln!("vabc serve: FUSE io_uring queue {}: {e}", q.qid);
+            log::warn!("vabc serve: FUSE io_uring queue {}: {e}", q.qid);
             break;
         }
         cqes.extend(ring.completion());
@@ -381,7 +381,7 @@ impl Server<'_> {
                 }
                 Ok(false) => {}
                 Err(e) => {
-                    eprintln!("vabc serve: FUSE read of {n} bytes at offset {offset}: {e}");
+                    log::warn!("vabc serve: FUSE read of {n} bytes at offset {offset}: {e}");
                     let outcome = Outcome::Error(e.errno());
                     return self.answer(ring, idx, ent, &req, outcome);
                 }
@@ -476,7 +476,7 @@ impl Server<'_> {
         let outcome = match (slot.failed, self.planner) {
             (Some((errno, read)), _) => {
                 let r = slot.plan.reads().get(read);
-                eprintln!(
+                log::warn!(
                     "vabc serve: FUSE read of {n} bytes at offset {offset}: reading {} bytes at \
                      offset {} of the backing file failed: {}",
                     r.map_or(0, |r| r.len),
@@ -494,7 +494,7 @@ impl Server<'_> {
                         Outcome::Reply(n)
                     }
                     Err(e) => {
-                        eprintln!("vabc serve: FUSE read of {n} bytes at offset {offset}: {e}");
+                        log::warn!("vabc serve: FUSE read of {n} bytes at offset {offset}: {e}");
                         Outcome::Error(e.errno())
                     }
                 }

@@ -133,7 +133,7 @@ impl DiskFs {
                 match self.dev.read_at(buf, r.offset) {
                     Ok(()) => Reply(n),
                     Err(e) => {
-                        eprintln!(
+                        log::warn!(
                             "vabc serve: FUSE read of {n} bytes at offset {}: {e}",
                             r.offset
                         );

@@ -538,17 +538,18 @@ impl FuseUringExport {
             if t.is_finished() {
                 let _ = t.join();
             } else {
-                eprintln!("vabc serve: a FUSE io_uring thread did not stop; leaving it");
+                log::warn!("vabc serve: a FUSE io_uring thread did not stop; leaving it");
             }
         }
         let s = self.stats();
         if served {
-            eprintln!(
+            log::info!(
                 "vabc serve: FUSE over io_uring: {} requests answered via the rings, {} via /dev/fuse",
-                s.via_ring, s.via_dev
+                s.via_ring,
+                s.via_dev
             );
             if s.planned > 0 {
-                eprintln!(
+                log::info!(
                     "vabc serve: FUSE over io_uring: {} reads served from read plans on the queue rings",
                     s.planned
                 );
@@ -561,7 +562,7 @@ impl FuseUringExport {
 impl Drop for FuseUringExport {
     fn drop(&mut self) {
         if let Err(e) = self.unmount_inner() {
-            eprintln!("vabc serve: {e}");
+            log::warn!("vabc serve: {e}");
         }
     }
 }
@@ -655,7 +656,7 @@ fn spawn_reader(
                     Ok(Some(n)) => n,
                     Ok(None) => break,
                     Err(e) => {
-                        eprintln!("vabc serve: read /dev/fuse: {e}");
+                        log::warn!("vabc serve: read /dev/fuse: {e}");
                         break;
                     }
                 };
@@ -683,7 +684,7 @@ fn spawn_reader(
                         // The request was interrupted meanwhile.
                         Some(libc::ENOENT) => {}
                         Some(libc::ENODEV) => break,
-                        _ => eprintln!("vabc serve: write /dev/fuse: {e}"),
+                        _ => log::warn!("vabc serve: write /dev/fuse: {e}"),
                     }
                 }
                 if h.opcode == proto::READ {

@@ -219,7 +219,7 @@ impl QueueThread {
                 break;
             }
             if let Err(e) = submit(ring, 1) {
-                eprintln!("vabc serve: FUSE io_uring queue {}: {e}", self.qid);
+                log::warn!("vabc serve: FUSE io_uring queue {}: {e}", self.qid);
                 break;
             }
             pending.extend(ring.completion());

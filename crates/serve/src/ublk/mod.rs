@@ -371,7 +371,7 @@ impl<T: UblkTransport> UblkDevice<T> {
                 let _ = ready.send(false);
                 running.fetch_sub(1, Ordering::SeqCst);
                 if let Err(e) = &r {
-                    eprintln!("vabc serve: {e}");
+                    log::warn!("vabc serve: {e}");
                 }
                 r
             });
@@ -458,7 +458,7 @@ impl<T: UblkTransport> Drop for UblkDevice<T> {
         if self.added
             && let Err(e) = self.shutdown()
         {
-            eprintln!("vabc serve: {e}");
+            log::warn!("vabc serve: {e}");
         }
     }
 }

@@ -284,7 +284,7 @@ impl<'d> QueueCore<'d> {
         };
         let errors = self.stats.errors.load(Ordering::Relaxed);
         if errors < LOGGED_ERRORS {
-            eprintln!(
+            log::warn!(
                 "vabc serve: ublk queue {}: {:?} of {} sectors at sector {} failed: {e}",
                 self.q_id,
                 desc.op(),
@@ -292,7 +292,7 @@ impl<'d> QueueCore<'d> {
                 desc.start_sector
             );
         } else if errors == LOGGED_ERRORS {
-            eprintln!(
+            log::warn!(
                 "vabc serve: ublk queue {}: further I/O errors are not logged",
                 self.q_id
             );

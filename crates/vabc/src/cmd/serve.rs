@@ -182,13 +182,13 @@ fn use_fuse_uring(args: &Args) -> anyhow::Result<bool> {
                 Ok(UringSupport::Enabled) => match serve::fuse_uring::rings_usable() {
                     Ok(()) => Ok(true),
                     Err(e) => {
-                        eprintln!("vabc serve: {e}; the export answers through /dev/fuse");
+                        log::info!("vabc serve: {e}; the export answers through /dev/fuse");
                         Ok(false)
                     }
                 },
                 // Off is the kernel's default: say once what it costs and how to change it.
                 Ok(UringSupport::Disabled) => {
-                    eprintln!(
+                    log::info!(
                         "vabc serve: FUSE over io_uring is switched off in the kernel, so \
                          the export answers through /dev/fuse (`echo Y > {}` as root \
                          enables the faster rings)",
@@ -198,7 +198,7 @@ fn use_fuse_uring(args: &Args) -> anyhow::Result<bool> {
                 }
                 Ok(UringSupport::Absent) => Ok(false),
                 Err(e) => {
-                    eprintln!("vabc serve: {e}; the export answers through /dev/fuse");
+                    log::info!("vabc serve: {e}; the export answers through /dev/fuse");
                     Ok(false)
                 }
             }
@@ -260,7 +260,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         let progress = merge::progress::read(&cow)?;
         if progress.started() {
             // A merge records its progress in the COW: say what that means here.
-            eprintln!(
+            log::info!(
                 "vabc serve: {}: merge {progress}; serving through the merge state",
                 args.cow.display()
             );
@@ -276,7 +276,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             if !progress.started() && args.verity_hash.is_none() {
                 let t = std::time::Instant::now();
                 crate::checks::prove_result(Some(m), &cow, &base, &args.base, args.size)?;
-                eprintln!(
+                log::info!(
                     "vabc serve: checked: base + COW make the update's new image ({:.2} s; \
                      --verity-hash checks each block as it is read instead)",
                     t.elapsed().as_secs_f64()
@@ -496,13 +496,13 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         if let Some(job) = merge_job.take_if(|j| j.is_finished()) {
             match job.join() {
                 // stderr: a client may have closed our stdout after "ready".
-                Ok(r) => eprintln!(
+                Ok(r) => log::info!(
                     "vabc serve: merge complete: {} ops ({} this run); the base is now the new image",
                     r.total_ops,
                     r.merged - r.started_at
                 ),
                 Err(e) => {
-                    eprintln!("vabc serve: merge failed: {e:#}");
+                    log::warn!("vabc serve: merge failed: {e:#}");
                     merge_failed = Some(e);
                 }
             }
@@ -528,9 +528,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     // A merge still running stops at its next commit; the next run resumes.
     if let Some(job) = merge_job {
         match job.cancel_and_join() {
-            Ok(r) if !r.complete() => eprintln!(
+            Ok(r) if !r.complete() => log::info!(
                 "vabc serve: merge paused at op {} of {}; serve --merge again to resume",
-                r.merged, r.total_ops
+                r.merged,
+                r.total_ops
             ),
             Ok(_) => {}
             Err(e) => merge_failed = Some(e),
@@ -577,7 +578,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     if let Some(e) = merge_failed {
         return Err(e.context("merge failed (serving stayed correct; run again to resume)"));
     }
-    eprintln!("vabc serve: stopped, everything unmounted");
+    log::info!("vabc serve: stopped, everything unmounted");
     Ok(ExitCode::SUCCESS)
 }
 
@@ -734,7 +735,7 @@ impl MergeJob {
             self.cancel.clone(),
             self.prove.take(),
         );
-        eprintln!(
+        log::info!(
             "vabc serve: merging {} into {} in the background",
             cow.display(),
             base.display()
@@ -816,7 +817,7 @@ fn open_verity(args: &Args, size: u64) -> anyhow::Result<Option<Arc<dyn engine::
         params.algorithm,
     );
     if check.protected_bytes() < size {
-        eprintln!(
+        log::warn!(
             "vabc serve: warning: the hash tree covers {} of {size} bytes; reads past it fail with EIO",
             check.protected_bytes()
         );
