@@ -199,6 +199,14 @@ fn first_unmerged(
     Ok(None)
 }
 
+/// Per region: whether some op writes a block in it.
+pub fn written_region_mask(cow: &CowReader, region_size: u64) -> Result<Vec<bool>> {
+    Ok(written_regions(cow, region_size)?
+        .iter()
+        .map(|w| w.first.is_some())
+        .collect())
+}
+
 /// Which ops (by merge position) write a region: the first and the last.
 #[derive(Clone, Copy, Default)]
 struct Writers {
@@ -242,6 +250,12 @@ pub fn prove_result(
     let size = view.size();
     let cow_path = cow.path().to_path_buf();
     let read = |off: u64, buf: &mut [u8]| -> std::io::Result<()> {
+        if off.is_multiple_of(4096) && buf.len().is_multiple_of(4096) {
+            // Every read but a last partial block's: straight into the caller's buffer.
+            return view
+                .read_blocks(off / 4096, buf)
+                .map_err(std::io::Error::other);
+        }
         // The view reads whole blocks; the image may end inside one.
         let start = off / 4096;
         let end = (off + buf.len() as u64).div_ceil(4096);
@@ -254,6 +268,17 @@ pub fn prove_result(
     };
     match m {
         Some(m) => {
+            // The view stops at the image's end; a merge would not. An op past it (a
+            // damaged block number) would write outside the new image.
+            let end = cow.end_block() * 4096;
+            if end > m.new.size.next_multiple_of(4096) {
+                mismatch!(
+                    "{}: an op writes up to byte {end}, past the end of the new image ({} \
+                     bytes) the update promises: the COW is corrupt (nothing was written)",
+                    cow_path.display(),
+                    m.new.size
+                );
+            }
             if size != m.new.size {
                 bail!(
                     "{}: the update makes an image of {} bytes, but {size} were asked for",

@@ -18,6 +18,8 @@ fn serve_tells_the_service_manager_when_it_is_ready_and_when_it_stops() {
     sock.set_read_timeout(Some(Duration::from_secs(60)))
         .unwrap();
     let ready = d.path().join("ready.json");
+    // A stale report from an earlier run must not pass for this one.
+    std::fs::write(&ready, "{\"pid\": 1}").unwrap();
     let mut child = Command::new(vabc())
         .arg("serve")
         .arg("--base")
@@ -45,4 +47,5 @@ fn serve_tells_the_service_manager_when_it_is_ready_and_when_it_stops() {
     let n = sock.recv(&mut buf).expect("no STOPPING=1");
     assert!(String::from_utf8_lossy(&buf[..n]).contains("STOPPING=1"));
     assert!(child.wait().unwrap().success());
+    assert!(!ready.exists(), "the ready report outlived the server");
 }

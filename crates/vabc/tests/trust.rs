@@ -423,3 +423,23 @@ fn a_merge_counter_damaged_to_half_merged_is_refused_before_writing() {
     );
     assert_eq!(sha256_file(&base), sha256_file(&old));
 }
+
+/// A manifest whose new image ends before the ops do (a damaged block number would do
+/// the same): the merge would write outside the new image, so it is refused.
+#[test]
+fn ops_past_the_end_of_the_new_image_are_refused_before_writing() {
+    let d = tempfile::tempdir().unwrap();
+    let (old, _new, cow) = update(d.path(), "lz4");
+    let mp = d.path().join("u.cow.manifest");
+    let mut m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&mp).unwrap()).unwrap();
+    m["new"]["size"] = serde_json::json!(4 << 20);
+    let first = m["new"]["regions"][0].clone();
+    m["new"]["regions"] = serde_json::json!([first]);
+    std::fs::write(&mp, m.to_string()).unwrap();
+    let base = d.path().join("base.img");
+    std::fs::copy(&old, &base).unwrap();
+    let e = stderr(&must_fail(&["merge", "--base", s(&base), "--cow", s(&cow)]));
+    assert!(e.contains("past the end of the new image"), "{e}");
+    assert_eq!(sha256_file(&base), sha256_file(&old));
+}

@@ -55,7 +55,8 @@ pub struct Args {
     pub loop_dev: bool,
     /// Once serving, write a JSON report here (written to a temporary file and renamed,
     /// so a script can wait for the file to appear): schema_version, pid, size, and
-    /// whichever of block_device, nbd_address, fuse_file, mount_target applies.
+    /// whichever of block_device, nbd_address, fuse_file, mount_target applies. Removed
+    /// at start (a stale one) and after a clean stop.
     #[arg(long, value_name = "FILE")]
     pub ready_file: Option<PathBuf>,
     /// Mount the new image's file system read-only on TARGET (FUSE + loop for ext4,
@@ -227,6 +228,17 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     signal_hook::flag::register(signal_hook::consts::SIGUSR1, report.clone())
         .context("install signal handler")?;
     let nbd_addr: Option<NbdAddr> = args.nbd.as_deref().map(str::parse).transpose()?;
+    // A report left by an earlier run must not be taken for this one's readiness.
+    if let Some(p) = &args.ready_file {
+        match std::fs::remove_file(p) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                return Err(e)
+                    .with_context(|| format!("remove the old ready report {}", p.display()));
+            }
+        }
+    }
     let nbd_tls = match (&args.nbd_tls_cert, &args.nbd_tls_key, &nbd_addr) {
         (Some(_), _, Some(NbdAddr::Unix(_))) => {
             bail!("--nbd-tls-cert is for tcp: addresses (a unix socket is guarded by its mode)")
@@ -569,6 +581,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         std::mem::forget(record_file);
     }
     result?;
+    // The report described a device that is gone now.
+    if let Some(p) = &args.ready_file {
+        let _ = std::fs::remove_file(p);
+    }
     if lost_ublk {
         bail!("the ublk device was stopped from outside; stopped serving");
     }
