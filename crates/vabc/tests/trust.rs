@@ -443,3 +443,35 @@ fn ops_past_the_end_of_the_new_image_are_refused_before_writing() {
     assert!(e.contains("past the end of the new image"), "{e}");
     assert_eq!(sha256_file(&base), sha256_file(&old));
 }
+
+/// `apply --label` makes a partial image, which the manifest (of the whole update)
+/// does not describe: the base is still checked, the partial result is not.
+#[test]
+fn a_partial_apply_checks_the_base_but_not_the_result() {
+    let d = tempfile::tempdir().unwrap();
+    let vec = serve_common::vectors();
+    let (base, expected) = (vec.join("base.img"), vec.join("expected.img"));
+    let cow = d.path().join("u.cow");
+    std::fs::copy(vec.join("v2_lz4_4096.cow"), &cow).unwrap();
+    let o = run_vabc(&["manifest", s(&base), s(&expected), "--cow", s(&cow)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = d.path().join("l1.img");
+    let args = |b: &Path| {
+        run_vabc(&[
+            "apply",
+            "--base",
+            s(b),
+            "--cow",
+            s(&cow),
+            "-o",
+            s(&out),
+            "--label",
+            "1",
+        ])
+    };
+    let o = args(&base);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = args(&expected);
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    assert!(stderr(&o).contains("is not the image this update was made for"));
+}

@@ -59,10 +59,25 @@ pub fn run(a: Args) -> Result<ExitCode> {
             a.cow.display(),
         );
     }
-    let manifest = crate::checks::load_manifest(&a.check, &a.cow, &cow)?;
-    if let Some(m) = &manifest {
-        crate::checks::check_base(m, progress, &cow, &base, &a.base)?;
-    }
+    // The manifest describes the whole update: with --label the base is still checked
+    // against it (through the whole COW), but the partial result is not the new image.
+    let manifest = match a.label {
+        None => {
+            let m = crate::checks::load_manifest(&a.check, &a.cow, &cow)?;
+            if let Some(m) = &m {
+                crate::checks::check_base(m, progress, &cow, &base, &a.base)?;
+            }
+            m
+        }
+        Some(_) => {
+            let whole = CowReader::open(&a.cow)
+                .with_context(|| format!("cannot read COW {}", a.cow.display()))?;
+            if let Some(m) = crate::checks::load_manifest(&a.check, &a.cow, &whole)? {
+                crate::checks::check_base(&m, progress, &whole, &base, &a.base)?;
+            }
+            None
+        }
+    };
     let size = a.size.or(manifest.as_ref().map(|m| m.new.size));
     let view = SnapshotView::new(&cow, &base, &a.base, size)?;
     let needed = cow.source_extent();
