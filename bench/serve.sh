@@ -39,6 +39,9 @@
 # (CONFIGS may also name vabc-uring)
 # Other COWs: DIFF_ARGS="--no-xor" or DIFF_ARGS="--min-xor-run 64 --block-order" bench/serve.sh
 # (more `vabc diff` options). VABC=/path/to/vabc serves with that binary, no build.
+# BASELINE=/path/to/another/vabc adds the configs base-uring and base-classic (CONFIGS
+# must name them): vabc-uring and vabc-classic served by that binary, for a refactor's
+# before and after in one run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PAIR=${1:-system}
@@ -227,6 +230,12 @@ start_vabc_uring() {
 	uring_on
 	start_vabc_daemon vabc-uring "$WORK/fuse-uring" "$WORK/serve-uring.log" --fuse-transport uring
 }
+
+start_base_uring() {
+	uring_on
+	VABC=$BASELINE start_vabc_daemon base-uring "$WORK/fuse-base-uring" "$WORK/serve-base-uring.log" --fuse-transport uring
+}
+start_base_classic() { VABC=$BASELINE start_vabc_daemon base-classic "$WORK/fuse-base-classic" "$WORK/serve-base-classic.log" --fuse-transport classic; }
 
 # (c) qemu-storage-daemon FUSE export of the raw new image, loop on top
 start_qsd() {

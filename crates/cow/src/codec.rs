@@ -190,16 +190,17 @@ impl Encoder {
                     .map_err(|e| fail(Codec::Brotli, &e))?;
                 Ok(out)
             }
-            // Level 0 (AOSP's only lz4 setting) is the fast encoder; 1-12 are LZ4HC
+            // Level 0 is AOSP's only lz4 setting, liblz4's LZ4_compress_default (so our
+            // lz4 payloads are the bytes AOSP's writer would store); 1-12 are LZ4HC
             // levels. Same block format; on the system pair level 9 stores 16% less for
             // a diff 1.5x as long, and the served image costs no more CPU to decode.
-            Codec::Lz4 if level <= 0 => Ok(lz4_flex::block::compress(input)),
-            Codec::Lz4 => lz4::block::compress(
-                input,
-                Some(lz4::block::CompressionMode::HIGHCOMPRESSION(level)),
-                false,
-            )
-            .map_err(|e| fail(Codec::Lz4, &e)),
+            Codec::Lz4 => {
+                let mode = match level {
+                    ..=0 => lz4::block::CompressionMode::DEFAULT,
+                    l => lz4::block::CompressionMode::HIGHCOMPRESSION(l),
+                };
+                lz4::block::compress(input, Some(mode), false).map_err(|e| fail(Codec::Lz4, &e))
+            }
             Codec::Zstd => {
                 if self.zstd.is_none() {
                     let mut c =

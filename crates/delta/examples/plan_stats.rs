@@ -47,7 +47,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         match op.op {
             BlockOp::Replace => {
                 new.read_exact_at(&mut a, op.dst * BLOCK_SIZE as u64)?;
-                rep += lz4_flex::block::compress(&a).len().min(BLOCK_SIZE);
+                rep += lz4::block::compress(&a, None, false)
+                    .map_or(BLOCK_SIZE, |c| c.len())
+                    .min(BLOCK_SIZE);
             }
             BlockOp::Xor { src_offset } => {
                 new.read_exact_at(&mut a, op.dst * BLOCK_SIZE as u64)?;
@@ -55,7 +57,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 for (x, y) in a.iter_mut().zip(&b) {
                     *x ^= y;
                 }
-                xor += lz4_flex::block::compress(&a).len().min(BLOCK_SIZE);
+                xor += lz4::block::compress(&a, None, false)
+                    .map_or(BLOCK_SIZE, |c| c.len())
+                    .min(BLOCK_SIZE);
             }
             _ => {}
         }

@@ -335,7 +335,7 @@ impl ChunkPlanner<'_> {
         let mut scratch = Scratch {
             region: vec![0u8; BLOCK_SIZE],
             xor: vec![0u8; BLOCK_SIZE],
-            lz4: vec![0u8; lz4_flex::block::get_maximum_output_size(BLOCK_SIZE) + 64],
+            lz4: vec![0u8; lz4_bound()],
             zstd: None,
             votes: Vec::new(),
             offsets: Vec::new(),
@@ -516,8 +516,15 @@ impl ChunkPlanner<'_> {
     }
 }
 
+/// Room for any block's lz4 encoding (liblz4's bound for one block).
+fn lz4_bound() -> usize {
+    lz4::block::compress_bound(BLOCK_SIZE).unwrap_or(2 * BLOCK_SIZE)
+}
+
+/// The size of `data` compressed the way the COW writer compresses lz4 payloads.
 fn lz4_len(data: &[u8], out: &mut [u8]) -> usize {
-    // The output buffer is sized by get_maximum_output_size, so this cannot
-    // fail; if it ever did, "incompressible" is the safe answer.
-    lz4_flex::block::compress_into(data, out).unwrap_or(data.len())
+    // The output buffer holds liblz4's bound, so this cannot fail; if it ever did,
+    // "incompressible" is the safe answer.
+    let mode = Some(lz4::block::CompressionMode::DEFAULT);
+    lz4::block::compress_to_buffer(data, mode, false, out).unwrap_or(data.len())
 }

@@ -58,8 +58,8 @@ pub struct FuseAnswer {
 /// and a READ of the file must return exactly the device's bytes. Never panics on any
 /// input otherwise. Returns the answers.
 pub fn exercise_fuse(data: &[u8]) -> Vec<FuseAnswer> {
-    use crate::fuse_uring::fs::{DiskFs, FILE_ID, Outcome};
-    use crate::fuse_uring::proto::{self, InHeader};
+    use crate::fuse::fs::{DiskFs, FILE_ID, Outcome};
+    use crate::fuse::proto::{self, InHeader};
     use std::sync::Arc;
 
     let fs = DiskFs {

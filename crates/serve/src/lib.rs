@@ -1,8 +1,8 @@
 //! Frontends that put a [`engine::BlockDevice`] in front of the kernel or of clients:
 //!
 //! * [`fuse`]: one read-only regular file (`DIR/disk.img`) through FUSE, with many
-//!   requests in flight, `FOPEN_DIRECT_IO` and 1 MiB requests;
-//! * [`fuse_uring`]: the same file served over FUSE-over-io_uring (per-CPU rings);
+//!   requests in flight, `FOPEN_DIRECT_IO` and 1 MiB requests, answered through
+//!   /dev/fuse or over FUSE-over-io_uring (per-CPU rings, [`fuse::uring`]);
 //! * [`mount`]: the whole stack on top of it: loop device in direct-I/O mode + `mount -o
 //!   ro` for ext4, or a file-backed EROFS mount with no loop device; torn down in reverse;
 //! * [`nbd`]: an NBD server (fixed newstyle, read-only, many connections);
@@ -12,7 +12,6 @@
 //! * [`leftovers`]: what a killed daemon leaves behind, recorded and removed.
 
 pub mod fuse;
-pub mod fuse_uring;
 #[cfg(any(test, feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzzing;

@@ -18,7 +18,6 @@ use std::time::{Duration, Instant};
 use engine::BlockDevice;
 
 use crate::fuse::{FuseExport, FuseOptions};
-use crate::fuse_uring::{FuseUringExport, UringOptions};
 use crate::{Result, ServeError, io_err};
 
 /// File systems the stack knows how to mount.
@@ -408,39 +407,8 @@ pub struct MountOptions {
     pub fstype: Option<FsType>,
     /// Where to mount the FUSE export; a private temporary directory when `None`.
     pub fuse_dir: Option<PathBuf>,
+    /// The FUSE export under the stack, with its transport.
     pub fuse: FuseOptions,
-    /// Serve the FUSE file over FUSE-over-io_uring instead of the classic frontend.
-    pub fuse_uring: Option<UringOptions>,
-}
-
-/// The FUSE file under the stack, from either frontend.
-#[derive(Debug)]
-enum Export {
-    Classic(FuseExport),
-    Uring(FuseUringExport),
-}
-
-impl Export {
-    fn file_path(&self) -> &Path {
-        match self {
-            Export::Classic(f) => f.file_path(),
-            Export::Uring(f) => f.file_path(),
-        }
-    }
-
-    fn is_alive(&self) -> bool {
-        match self {
-            Export::Classic(f) => f.is_alive(),
-            Export::Uring(f) => f.is_alive(),
-        }
-    }
-
-    fn unmount(self) -> Result<()> {
-        match self {
-            Export::Classic(f) => f.unmount(),
-            Export::Uring(f) => f.unmount(),
-        }
-    }
 }
 
 /// FUSE export + optional loop device + file system mount, torn down in reverse order.
@@ -449,7 +417,7 @@ pub struct MountStack {
     // Field order is drop order: file system, then loop device, then FUSE, then its dir.
     fs: Option<Mounted>,
     loop_dev: Option<LoopDevice>,
-    fuse: Option<Export>,
+    fuse: Option<FuseExport>,
     temp_dir: Option<PathBuf>,
     fstype: FsType,
     target: PathBuf,
@@ -490,10 +458,7 @@ impl MountStack {
                 d
             }
         };
-        let fuse = match &opts.fuse_uring {
-            Some(u) => Export::Uring(FuseUringExport::mount(dev, &fuse_dir, u)?),
-            None => Export::Classic(FuseExport::mount(dev, &fuse_dir, &opts.fuse)?),
-        };
+        let fuse = FuseExport::mount(dev, &fuse_dir, &opts.fuse)?;
         let file = fuse.file_path().to_path_buf();
         stack.fuse = Some(fuse);
         match fstype {
@@ -523,25 +488,14 @@ impl MountStack {
         self.loop_dev.as_ref()
     }
 
-    /// The classic FUSE export (`None` with FUSE-over-io_uring).
+    /// The FUSE export under the stack.
     pub fn fuse(&self) -> Option<&FuseExport> {
-        match &self.fuse {
-            Some(Export::Classic(f)) => Some(f),
-            _ => None,
-        }
-    }
-
-    /// The FUSE-over-io_uring export, when the stack uses it.
-    pub fn fuse_uring(&self) -> Option<&FuseUringExport> {
-        match &self.fuse {
-            Some(Export::Uring(f)) => Some(f),
-            _ => None,
-        }
+        self.fuse.as_ref()
     }
 
     /// False once the FUSE session is gone.
     pub fn is_alive(&self) -> bool {
-        self.fuse.as_ref().is_some_and(Export::is_alive)
+        self.fuse.as_ref().is_some_and(FuseExport::is_alive)
     }
 
     /// Unmounts everything in reverse order; reports the first failure but still tries

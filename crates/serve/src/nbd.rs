@@ -197,9 +197,12 @@ impl Default for NbdOptions {
     }
 }
 
+/// The server side of NBD's TLS ([`NbdOptions::tls`]).
+pub type TlsConfig = rustls::ServerConfig;
+
 /// A TLS server configuration from a PEM certificate chain and its PEM private key
 /// (as `openssl req -x509 ...` writes them), for [`NbdOptions::tls`].
-pub fn tls_config(cert: &Path, key: &Path) -> Result<Arc<rustls::ServerConfig>> {
+pub fn tls_config(cert: &Path, key: &Path) -> Result<Arc<TlsConfig>> {
     use rustls_pki_types::pem::PemObject;
     use rustls_pki_types::{CertificateDer, PrivateKeyDer};
     let bad = |path: &Path, msg: String| ServeError::Invalid {

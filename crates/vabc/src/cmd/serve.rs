@@ -15,7 +15,7 @@ use serve::mount::{FsType, MountOptions, MountStack};
 use serve::nbd::{NbdAddr, NbdOptions, NbdServer};
 
 /// Default of `--fuse-uring-poll`, in the flag's unit.
-const DEFAULT_POLL_US: u64 = serve::fuse_uring::DEFAULT_POLL.as_micros() as u64;
+const DEFAULT_POLL_US: u64 = serve::fuse::uring::DEFAULT_POLL.as_micros() as u64;
 
 #[derive(clap::Args, Debug)]
 #[command(group(clap::ArgGroup::new("frontend").required(true).multiple(true).args(["fuse", "mount", "nbd", "ublk"])))]
@@ -172,15 +172,15 @@ fn use_fuse_uring(args: &Args) -> anyhow::Result<bool> {
                     "FUSE over io_uring (--fuse-transport uring, --fuse-uring) needs --fuse DIR or --mount TARGET"
                 );
             }
-            serve::fuse_uring::check_enabled()?;
-            serve::fuse_uring::rings_usable()?;
+            serve::fuse::uring::check_enabled()?;
+            serve::fuse::uring::rings_usable()?;
             Ok(true)
         }
         FuseTransport::Auto if !wants_fuse => Ok(false),
         FuseTransport::Auto => {
-            use serve::fuse_uring::UringSupport;
-            match serve::fuse_uring::support() {
-                Ok(UringSupport::Enabled) => match serve::fuse_uring::rings_usable() {
+            use serve::fuse::uring::UringSupport;
+            match serve::fuse::uring::support() {
+                Ok(UringSupport::Enabled) => match serve::fuse::uring::rings_usable() {
                     Ok(()) => Ok(true),
                     Err(e) => {
                         log::info!("vabc serve: {e}; the export answers through /dev/fuse");
@@ -193,7 +193,7 @@ fn use_fuse_uring(args: &Args) -> anyhow::Result<bool> {
                         "vabc serve: FUSE over io_uring is switched off in the kernel, so \
                          the export answers through /dev/fuse (`echo Y > {}` as root \
                          enables the faster rings)",
-                        serve::fuse_uring::ENABLE_PARAM
+                        serve::fuse::uring::ENABLE_PARAM
                     );
                     Ok(false)
                 }
@@ -227,76 +227,12 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let report = Arc::new(AtomicBool::new(false));
     signal_hook::flag::register(signal_hook::consts::SIGUSR1, report.clone())
         .context("install signal handler")?;
-    let nbd_addr: Option<NbdAddr> = args.nbd.as_deref().map(str::parse).transpose()?;
-    // A report left by an earlier run must not be taken for this one's readiness.
-    if let Some(p) = &args.ready_file {
-        match std::fs::remove_file(p) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => {
-                return Err(e)
-                    .with_context(|| format!("remove the old ready report {}", p.display()));
-            }
-        }
-    }
-    let nbd_tls = match (&args.nbd_tls_cert, &args.nbd_tls_key, &nbd_addr) {
-        (Some(_), _, Some(NbdAddr::Unix(_))) => {
-            bail!("--nbd-tls-cert is for tcp: addresses (a unix socket is guarded by its mode)")
-        }
-        (Some(cert), Some(key), _) => Some(serve::nbd::tls_config(cert, key)?),
-        _ => None,
-    };
-    // Before any work: a missing driver is the likely failure.
-    let ublk_transport = match args.ublk {
-        true => Some(serve::ublk::KernelTransport::open()?),
-        false => None,
-    };
-    if let Some(t) = &args.mount
-        && !t.is_dir()
-    {
-        bail!(
-            "mount point {} does not exist or is not a directory",
-            t.display()
-        );
-    }
-    let fuse_uring = use_fuse_uring(&args)?;
+    let pre = Preflight::check(&args)?;
     // Best effort, and nothing a user can act on when it is refused (it needs
     // CAP_SYS_RESOURCE, which containers often drop): no message.
     let _ = serve::set_io_flusher();
 
-    // Before serving a byte: the base must be the one the update was made for (or, once
-    // merged, the new image), and the COW's merge state must be sane.
-    let (progress, manifest) = {
-        let cow = cow::CowReader::open(&args.cow)
-            .with_context(|| format!("cannot read COW {}", args.cow.display()))?;
-        let progress = merge::progress::read(&cow)?;
-        if progress.started() {
-            // A merge records its progress in the COW: say what that means here.
-            log::info!(
-                "vabc serve: {}: merge {progress}; serving through the merge state",
-                args.cow.display()
-            );
-        }
-        let manifest = crate::checks::load_manifest(&args.check, &args.cow, &cow)?;
-        if let Some(m) = &manifest {
-            let base = std::fs::File::open(&args.base)
-                .with_context(|| format!("cannot open base {}", args.base.display()))?;
-            crate::checks::check_base(m, progress, &cow, &base, &args.base)?;
-            // Nothing wrong is served: without a dm-verity tree to check each block as it
-            // is read, prove the whole result first (a full decode pass; the base of a
-            // started merge is checked above, and its COW was proven before it began).
-            if !progress.started() && args.verity_hash.is_none() {
-                let t = std::time::Instant::now();
-                crate::checks::prove_result(Some(m), &cow, &base, &args.base, args.size)?;
-                log::info!(
-                    "vabc serve: checked: base + COW make the update's new image ({:.2} s; \
-                     --verity-hash checks each block as it is read instead)",
-                    t.elapsed().as_secs_f64()
-                );
-            }
-        }
-        (progress, manifest)
-    };
+    let (progress, manifest) = check_before_serving(&args)?;
     let opts = CowEngineOptions {
         size: args.size.or(manifest.as_ref().map(|m| m.new.size)),
         cache_bytes: args.cache_mib << 20,
@@ -319,7 +255,6 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         engine.set_verifier(check);
     }
     let engine = Arc::new(engine);
-    let dev: Arc<dyn BlockDevice> = engine.clone();
     let stats = Stats {
         engine: engine.clone(),
         fuse: Arc::default(),
@@ -327,28 +262,193 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         ublk: Arc::default(),
         readahead: Arc::default(),
     };
-    // One set of read-ahead counters for every frontend's read-ahead.
-    let readahead = Some(engine::ReadaheadOptions {
-        stats: stats.readahead.clone(),
-        ..Default::default()
-    });
-
-    let fuse_opts = FuseOptions {
-        channel_threads: args.fuse_threads,
-        workers: args.workers,
-        latency: stats.fuse.clone(),
-        readahead: readahead.clone(),
-        ..FuseOptions::default()
+    let fronts = Frontends::start(&args, pre, engine, &stats)?;
+    if let Some(path) = &args.ready_file {
+        fronts.write_ready_report(path, size)?;
+    }
+    // What `vabc cleanup` removes should this process be killed; deleted (on drop)
+    // after the tear-down below.
+    let record = fronts.leftovers()?;
+    let record_file = match record == serve::leftovers::Record::for_self()? {
+        true => None, // NBD only: nothing in the kernel to leave behind
+        false => Some(record.write(&serve::leftovers::run_dir())?),
     };
-    let uring_opts = fuse_uring.then(|| serve::fuse_uring::UringOptions {
-        poll: std::time::Duration::from_micros(args.fuse_uring_poll),
-        latency: stats.fuse.clone(),
-        readahead: readahead.clone(),
-        ..serve::fuse_uring::UringOptions::with_workers(args.workers)
-    });
-    let mut nbd_uri = None;
-    let nbd = match &nbd_addr {
-        Some(addr) => {
+    println!("vabc serve: ready ({size} bytes); stop with Ctrl-C or SIGTERM");
+    // A service manager's readiness protocol (systemd Type=notify); nothing without
+    // $NOTIFY_SOCKET.
+    let _ = sd_notify::notify(&[
+        sd_notify::NotifyState::Ready,
+        sd_notify::NotifyState::Status(&format!("serving {size} bytes")),
+    ]);
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+
+    let merge_job = merge_job.filter(|_| args.merge).map(MergeJob::start);
+    let ended = fronts.serve_until_stopped(merge_job, &stop, &report, &stats);
+
+    let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
+    let result = fronts.stop();
+    if args.stats {
+        stats.print();
+    }
+    if result.is_err() {
+        // Something may be left behind: keep the record for `vabc cleanup`.
+        std::mem::forget(record_file);
+    }
+    result?;
+    // The report described a device that is gone now.
+    if let Some(p) = &args.ready_file {
+        let _ = std::fs::remove_file(p);
+    }
+    match ended.lost {
+        Some(Lost::Ublk) => bail!("the ublk device was stopped from outside; stopped serving"),
+        Some(Lost::Fuse) => bail!("the FUSE export was unmounted from outside; stopped serving"),
+        None => {}
+    }
+    if let Some(e) = ended.merge_failed {
+        return Err(e.context("merge failed (serving stayed correct; run again to resume)"));
+    }
+    log::info!("vabc serve: stopped, everything unmounted");
+    Ok(ExitCode::SUCCESS)
+}
+
+/// What is checked and opened before anything is read: bad arguments and a missing
+/// driver fail here, before the engine's work.
+struct Preflight {
+    nbd_addr: Option<NbdAddr>,
+    nbd_tls: Option<Arc<serve::nbd::TlsConfig>>,
+    ublk_transport: Option<serve::ublk::KernelTransport>,
+    fuse_uring: bool,
+}
+
+impl Preflight {
+    fn check(args: &Args) -> anyhow::Result<Preflight> {
+        let nbd_addr: Option<NbdAddr> = args.nbd.as_deref().map(str::parse).transpose()?;
+        // A report left by an earlier run must not be taken for this one's readiness.
+        if let Some(p) = &args.ready_file {
+            match std::fs::remove_file(p) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    return Err(e)
+                        .with_context(|| format!("remove the old ready report {}", p.display()));
+                }
+            }
+        }
+        let nbd_tls = match (&args.nbd_tls_cert, &args.nbd_tls_key, &nbd_addr) {
+            (Some(_), _, Some(NbdAddr::Unix(_))) => {
+                bail!("--nbd-tls-cert is for tcp: addresses (a unix socket is guarded by its mode)")
+            }
+            (Some(cert), Some(key), _) => Some(serve::nbd::tls_config(cert, key)?),
+            _ => None,
+        };
+        // Before any work: a missing driver is the likely failure.
+        let ublk_transport = match args.ublk {
+            true => Some(serve::ublk::KernelTransport::open()?),
+            false => None,
+        };
+        if let Some(t) = &args.mount
+            && !t.is_dir()
+        {
+            bail!(
+                "mount point {} does not exist or is not a directory",
+                t.display()
+            );
+        }
+        Ok(Preflight {
+            nbd_addr,
+            nbd_tls,
+            ublk_transport,
+            fuse_uring: use_fuse_uring(args)?,
+        })
+    }
+}
+
+/// Before serving a byte: the base must be the one the update was made for (or, once
+/// merged, the new image), and the COW's merge state must be sane. Returns the merge's
+/// progress and the update's manifest, if it has one.
+fn check_before_serving(
+    args: &Args,
+) -> anyhow::Result<(merge::progress::Progress, Option<manifest::Manifest>)> {
+    let cow = cow::CowReader::open(&args.cow)
+        .with_context(|| format!("cannot read COW {}", args.cow.display()))?;
+    let progress = merge::progress::read(&cow)?;
+    if progress.started() {
+        // A merge records its progress in the COW: say what that means here.
+        log::info!(
+            "vabc serve: {}: merge {progress}; serving through the merge state",
+            args.cow.display()
+        );
+    }
+    let manifest = crate::checks::load_manifest(&args.check, &args.cow, &cow)?;
+    if let Some(m) = &manifest {
+        let base = std::fs::File::open(&args.base)
+            .with_context(|| format!("cannot open base {}", args.base.display()))?;
+        crate::checks::check_base(m, progress, &cow, &base, &args.base)?;
+        // Nothing wrong is served: without a dm-verity tree to check each block as it
+        // is read, prove the whole result first (a full decode pass; the base of a
+        // started merge is checked above, and its COW was proven before it began).
+        if !progress.started() && args.verity_hash.is_none() {
+            let t = std::time::Instant::now();
+            crate::checks::prove_result(Some(m), &cow, &base, &args.base, args.size)?;
+            log::info!(
+                "vabc serve: checked: base + COW make the update's new image ({:.2} s; \
+                 --verity-hash checks each block as it is read instead)",
+                t.elapsed().as_secs_f64()
+            );
+        }
+    }
+    Ok((progress, manifest))
+}
+
+/// Which frontend went away underneath us.
+enum Lost {
+    Ublk,
+    Fuse,
+}
+
+/// How serving ended (besides a signal).
+struct Ended {
+    lost: Option<Lost>,
+    merge_failed: Option<anyhow::Error>,
+}
+
+/// The frontends serving the engine, torn down in reverse order of their start.
+struct Frontends {
+    // Field order is drop order (a failed start drops what it started): the reverse
+    // of the start.
+    loop_dev: Option<serve::mount::LoopDevice>,
+    stack: Option<MountStack>,
+    fuse: Option<FuseExport>,
+    ublk: Option<serve::ublk::UblkDevice<serve::ublk::KernelTransport>>,
+    nbd: Option<serve::nbd::NbdHandle>,
+    nbd_uri: Option<String>,
+}
+
+impl Frontends {
+    fn start(
+        args: &Args,
+        pre: Preflight,
+        engine: Arc<CowEngine>,
+        stats: &Stats,
+    ) -> anyhow::Result<Frontends> {
+        let dev: Arc<dyn BlockDevice> = engine;
+        let size = dev.size();
+        // One set of read-ahead counters for every frontend's read-ahead.
+        let readahead = Some(engine::ReadaheadOptions {
+            stats: stats.readahead.clone(),
+            ..Default::default()
+        });
+        let mut fronts = Frontends {
+            loop_dev: None,
+            stack: None,
+            fuse: None,
+            ublk: None,
+            nbd: None,
+            nbd_uri: None,
+        };
+        // From here on, an error drops `fronts`, which tears down what was started.
+        if let Some(addr) = &pre.nbd_addr {
             let nbd_opts = NbdOptions {
                 export_name: args.export_name.clone(),
                 workers: args.workers,
@@ -356,20 +456,16 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                 readahead: readahead.clone(),
                 max_connections: args.nbd_max_connections.max(1),
                 socket_mode: args.nbd_socket_mode.unwrap_or(0o600),
-                tls: nbd_tls.clone(),
+                tls: pre.nbd_tls.clone(),
                 ..NbdOptions::default()
             };
             let server = NbdServer::bind(addr, dev.clone(), &nbd_opts)?;
             let uri = server.addr().to_string();
-            let handle = server.spawn()?;
+            fronts.nbd = Some(server.spawn()?);
             println!("vabc serve: NBD export {:?} at {uri}", args.export_name);
-            nbd_uri = Some(uri);
-            Some(handle)
+            fronts.nbd_uri = Some(uri);
         }
-        None => None,
-    };
-    let ublk = match ublk_transport {
-        Some(t) => {
+        if let Some(t) = pre.ublk_transport {
             let opts = serve::ublk::UblkOptions {
                 queues: args.ublk_queues,
                 depth: args.ublk_depth,
@@ -386,216 +482,200 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                 p.queues,
                 p.depth
             );
-            Some(d)
+            fronts.ublk = Some(d);
         }
-        None => None,
-    };
-    let mut stack = None;
-    let mut fuse = None;
-    let mut uring_export = None;
-    if let Some(target) = &args.mount {
-        let mopts = MountOptions {
-            fstype: args.fstype,
-            fuse_dir: args.fuse.clone(),
-            fuse: fuse_opts,
-            fuse_uring: uring_opts,
+        let fuse_opts = FuseOptions {
+            dev_threads: args.fuse_threads.max(args.workers),
+            uring: pre.fuse_uring.then(|| serve::fuse::uring::UringOptions {
+                poll: std::time::Duration::from_micros(args.fuse_uring_poll),
+                ..serve::fuse::uring::UringOptions::with_workers(args.workers)
+            }),
+            latency: stats.fuse.clone(),
+            readahead,
+            ..FuseOptions::default()
         };
-        let s = MountStack::mount(dev.clone(), target, &mopts)?;
-        let via = match s.loop_device() {
-            Some(lo) => format!(
-                "{} (direct I/O {})",
-                lo.path().display(),
-                if lo.direct_io() { "on" } else { "off" }
-            ),
-            None => "file-backed mount, no loop device".into(),
-        };
-        println!(
-            "vabc serve: mounted {} read-only on {} via {via}, FUSE {}",
-            s.fstype().name(),
-            s.target().display(),
-            if fuse_uring {
-                "over io_uring"
+        if let Some(target) = &args.mount {
+            let mopts = MountOptions {
+                fstype: args.fstype,
+                fuse_dir: args.fuse.clone(),
+                fuse: fuse_opts,
+            };
+            let s = MountStack::mount(dev.clone(), target, &mopts)?;
+            let via = match s.loop_device() {
+                Some(lo) => format!(
+                    "{} (direct I/O {})",
+                    lo.path().display(),
+                    if lo.direct_io() { "on" } else { "off" }
+                ),
+                None => "file-backed mount, no loop device".into(),
+            };
+            println!(
+                "vabc serve: mounted {} read-only on {} via {via}, FUSE {}",
+                s.fstype().name(),
+                s.target().display(),
+                if pre.fuse_uring {
+                    "over io_uring"
+                } else {
+                    "through /dev/fuse"
+                }
+            );
+            fronts.stack = Some(s);
+        } else if let Some(dir) = &args.fuse {
+            let f = FuseExport::mount(dev.clone(), dir, &fuse_opts)?;
+            let (queues, threads) = f.queues();
+            let how = if f.over_io_uring() {
+                format!("over FUSE io_uring ({queues} queues, {threads} threads)")
             } else {
-                "through /dev/fuse"
-            }
-        );
-        stack = Some(s);
-    } else if let (Some(dir), Some(uopts)) = (&args.fuse, &uring_opts) {
-        let f = serve::fuse_uring::FuseUringExport::mount(dev.clone(), dir, uopts)?;
-        let (queues, threads) = f.queues();
-        println!(
-            "vabc serve: exporting {} ({size} bytes) over FUSE io_uring ({queues} queues, {threads} threads)",
-            f.file_path().display()
-        );
-        uring_export = Some(f);
-    } else if let Some(dir) = &args.fuse {
-        let f = FuseExport::mount(dev.clone(), dir, &fuse_opts)?;
-        println!(
-            "vabc serve: exporting {} ({size} bytes) through /dev/fuse",
-            f.file_path().display()
-        );
-        fuse = Some(f);
-    }
-    let fuse_file = stack
-        .as_ref()
-        .and_then(|s| s.fuse().map(|f| f.file_path().to_path_buf()))
-        .or_else(|| uring_export.as_ref().map(|f| f.file_path().to_path_buf()))
-        .or_else(|| fuse.as_ref().map(|f| f.file_path().to_path_buf()));
-    let loop_dev = match (&fuse_file, args.loop_dev) {
-        (Some(file), true) => {
-            let lo = serve::mount::LoopDevice::attach(file, true)?;
+                format!("through /dev/fuse ({} threads)", f.dev_threads())
+            };
+            println!(
+                "vabc serve: exporting {} ({size} bytes) {how}",
+                f.file_path().display()
+            );
+            fronts.fuse = Some(f);
+        }
+        if let (Some(file), true) = (fronts.fuse_file(), args.loop_dev) {
+            let lo = serve::mount::LoopDevice::attach(&file, true)?;
             println!(
                 "vabc serve: block device {} over {} (direct I/O {})",
                 lo.path().display(),
                 file.display(),
                 if lo.direct_io() { "on" } else { "off" }
             );
-            Some(lo)
+            fronts.loop_dev = Some(lo);
         }
-        _ => None,
-    };
-    if let Some(path) = &args.ready_file {
-        let block = ublk
+        Ok(fronts)
+    }
+
+    /// The exported FUSE file, under the mount stack or on its own.
+    fn fuse_file(&self) -> Option<PathBuf> {
+        self.stack
+            .as_ref()
+            .and_then(|s| s.fuse().map(|f| f.file_path().to_path_buf()))
+            .or_else(|| self.fuse.as_ref().map(|f| f.file_path().to_path_buf()))
+    }
+
+    /// The machine-readable "ready" report of `--ready-file`.
+    fn write_ready_report(&self, path: &std::path::Path, size: u64) -> anyhow::Result<()> {
+        let block = self
+            .ublk
             .as_ref()
             .map(|u| u.block_path())
-            .or_else(|| loop_dev.as_ref().map(|l| l.path().to_path_buf()));
+            .or_else(|| self.loop_dev.as_ref().map(|l| l.path().to_path_buf()));
         let report = serde_json::json!({
             "schema_version": crate::SCHEMA_VERSION,
             "pid": std::process::id(),
             "size": size,
             "block_device": block,
-            "nbd_address": nbd_uri,
-            "fuse_file": fuse_file,
-            "mount_target": stack.as_ref().map(|s| s.target().to_path_buf()),
+            "nbd_address": self.nbd_uri,
+            "fuse_file": self.fuse_file(),
+            "mount_target": self.stack.as_ref().map(|s| s.target().to_path_buf()),
         });
         crate::output::write_atomic(path, format!("{report:#}\n").as_bytes())
-            .with_context(|| format!("write the ready report {}", path.display()))?;
+            .with_context(|| format!("write the ready report {}", path.display()))
     }
-    // What `vabc cleanup` removes should this process be killed; deleted (on drop)
-    // after the tear-down below.
-    let record = serve::leftovers::Record {
-        ublk_dev_id: ublk.as_ref().map(|u| u.dev_id()),
-        fuse_dir: fuse_file
-            .as_ref()
-            .and_then(|f| f.parent().map(|p| p.to_path_buf())),
-        loop_devices: loop_dev
-            .iter()
-            .chain(stack.as_ref().and_then(MountStack::loop_device))
-            .filter_map(|l| Some((l.number(), fuse_file.clone()?)))
-            .collect(),
-        mount_target: stack.as_ref().map(|s| s.target().to_path_buf()),
-        ..serve::leftovers::Record::for_self()?
-    };
-    let record_file = match record == serve::leftovers::Record::for_self()? {
-        true => None, // NBD only: nothing in the kernel to leave behind
-        false => Some(record.write(&serve::leftovers::run_dir())?),
-    };
-    println!("vabc serve: ready ({size} bytes); stop with Ctrl-C or SIGTERM");
-    // A service manager's readiness protocol (systemd Type=notify); nothing without
-    // $NOTIFY_SOCKET.
-    let _ = sd_notify::notify(&[
-        sd_notify::NotifyState::Ready,
-        sd_notify::NotifyState::Status(&format!("serving {size} bytes")),
-    ]);
-    use std::io::Write;
-    let _ = std::io::stdout().flush();
 
-    let mut merge_job = merge_job.filter(|_| args.merge).map(MergeJob::start);
-    let mut merge_failed = None;
-    let mut lost = false;
-    let mut lost_ublk = false;
-    while !stop.load(Ordering::Relaxed) {
-        if let Some(job) = merge_job.take_if(|j| j.is_finished()) {
-            match job.join() {
-                // stderr: a client may have closed our stdout after "ready".
-                Ok(r) => log::info!(
-                    "vabc serve: merge complete: {} ops ({} this run); the base is now the new image",
-                    r.total_ops,
-                    r.merged - r.started_at
-                ),
-                Err(e) => {
-                    log::warn!("vabc serve: merge failed: {e:#}");
-                    merge_failed = Some(e);
+    /// What a killed daemon would leave in the kernel, for `vabc cleanup`.
+    fn leftovers(&self) -> anyhow::Result<serve::leftovers::Record> {
+        let fuse_file = self.fuse_file();
+        Ok(serve::leftovers::Record {
+            ublk_dev_id: self.ublk.as_ref().map(|u| u.dev_id()),
+            fuse_dir: fuse_file
+                .as_ref()
+                .and_then(|f| f.parent().map(|p| p.to_path_buf())),
+            loop_devices: self
+                .loop_dev
+                .iter()
+                .chain(self.stack.as_ref().and_then(MountStack::loop_device))
+                .filter_map(|l| Some((l.number(), fuse_file.clone()?)))
+                .collect(),
+            mount_target: self.stack.as_ref().map(|s| s.target().to_path_buf()),
+            ..serve::leftovers::Record::for_self()?
+        })
+    }
+
+    /// Serves until SIGINT/SIGTERM or until a frontend goes away underneath us; runs
+    /// the background merge meanwhile and stops it (at its next commit) at the end.
+    fn serve_until_stopped(
+        &self,
+        mut merge_job: Option<MergeJob>,
+        stop: &AtomicBool,
+        report: &AtomicBool,
+        stats: &Stats,
+    ) -> Ended {
+        let mut ended = Ended {
+            lost: None,
+            merge_failed: None,
+        };
+        while !stop.load(Ordering::Relaxed) {
+            if let Some(job) = merge_job.take_if(|j| j.is_finished()) {
+                match job.join() {
+                    // stderr: a client may have closed our stdout after "ready".
+                    Ok(r) => log::info!(
+                        "vabc serve: merge complete: {} ops ({} this run); the base is now the new image",
+                        r.total_ops,
+                        r.merged - r.started_at
+                    ),
+                    Err(e) => {
+                        log::warn!("vabc serve: merge failed: {e:#}");
+                        ended.merge_failed = Some(e);
+                    }
                 }
             }
+            if self.ublk.as_ref().is_some_and(|u| !u.is_alive()) {
+                ended.lost = Some(Lost::Ublk);
+                break;
+            }
+            if !(self.stack.as_ref().is_none_or(MountStack::is_alive)
+                && self.fuse.as_ref().is_none_or(FuseExport::is_alive))
+            {
+                ended.lost = Some(Lost::Fuse);
+                break;
+            }
+            if report.swap(false, Ordering::Relaxed) {
+                stats.print();
+            }
+            std::thread::sleep(Duration::from_millis(100));
         }
-        let alive = stack.as_ref().is_none_or(MountStack::is_alive)
-            && fuse.as_ref().is_none_or(FuseExport::is_alive)
-            && uring_export
-                .as_ref()
-                .is_none_or(serve::fuse_uring::FuseUringExport::is_alive)
-            && ublk.as_ref().is_none_or(serve::ublk::UblkDevice::is_alive);
-        if !alive {
-            lost_ublk = ublk.as_ref().is_some_and(|u| !u.is_alive());
-            lost = true;
-            break;
+        // A merge still running stops at its next commit; the next run resumes.
+        if let Some(job) = merge_job {
+            match job.cancel_and_join() {
+                Ok(r) if !r.complete() => log::info!(
+                    "vabc serve: merge paused at op {} of {}; serve --merge again to resume",
+                    r.merged,
+                    r.total_ops
+                ),
+                Ok(_) => {}
+                Err(e) => ended.merge_failed = Some(e),
+            }
         }
-        if report.swap(false, Ordering::Relaxed) {
-            stats.print();
-        }
-        std::thread::sleep(Duration::from_millis(100));
+        ended
     }
 
-    let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
-    // A merge still running stops at its next commit; the next run resumes.
-    if let Some(job) = merge_job {
-        match job.cancel_and_join() {
-            Ok(r) if !r.complete() => log::info!(
-                "vabc serve: merge paused at op {} of {}; serve --merge again to resume",
-                r.merged,
-                r.total_ops
-            ),
-            Ok(_) => {}
-            Err(e) => merge_failed = Some(e),
+    /// Tears everything down, in reverse order of the start; the first error wins.
+    fn stop(mut self) -> anyhow::Result<()> {
+        let mut result = Ok(());
+        if let Some(lo) = self.loop_dev.take() {
+            result = lo.detach().context("detach the loop device");
         }
+        if let Some(s) = self.stack.take() {
+            result = result
+                .and(s.teardown().map_err(anyhow::Error::from))
+                .context("tear down the mount stack");
+        }
+        if let Some(f) = self.fuse.take() {
+            let r = f.unmount().context("unmount the FUSE export");
+            result = result.and(r);
+        }
+        if let Some(u) = self.ublk.take() {
+            let r = u.stop().map(drop).context("stop the ublk device");
+            result = result.and(r);
+        }
+        if let Some(n) = self.nbd.take() {
+            n.stop();
+        }
+        result
     }
-    let mut result = Ok(());
-    if let Some(lo) = loop_dev {
-        result = lo.detach().context("detach the loop device");
-    }
-    if let Some(s) = stack {
-        result = result
-            .and(s.teardown().map_err(anyhow::Error::from))
-            .context("tear down the mount stack");
-    }
-    if let Some(f) = fuse {
-        let r = f.unmount().context("unmount the FUSE export");
-        result = result.and(r);
-    }
-    if let Some(f) = uring_export {
-        let r = f.unmount().context("unmount the FUSE io_uring export");
-        result = result.and(r);
-    }
-    if let Some(u) = ublk {
-        let r = u.stop().map(drop).context("stop the ublk device");
-        result = result.and(r);
-    }
-    if let Some(n) = nbd {
-        n.stop();
-    }
-    if args.stats {
-        stats.print();
-    }
-    if result.is_err() {
-        // Something may be left behind: keep the record for `vabc cleanup`.
-        std::mem::forget(record_file);
-    }
-    result?;
-    // The report described a device that is gone now.
-    if let Some(p) = &args.ready_file {
-        let _ = std::fs::remove_file(p);
-    }
-    if lost_ublk {
-        bail!("the ublk device was stopped from outside; stopped serving");
-    }
-    if lost {
-        bail!("the FUSE export was unmounted from outside; stopped serving");
-    }
-    if let Some(e) = merge_failed {
-        return Err(e.context("merge failed (serving stayed correct; run again to resume)"));
-    }
-    log::info!("vabc serve: stopped, everything unmounted");
-    Ok(ExitCode::SUCCESS)
 }
 
 /// Where the time of the reads goes, per layer (see `--stats`).

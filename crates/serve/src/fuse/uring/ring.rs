@@ -16,25 +16,15 @@ use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::mpsc::Sender;
 
 use engine::AlignedBuf;
 use io_uring::{IoUring, cqueue, opcode, squeue, types};
 
-use super::fs::{DiskFs, Outcome};
-use super::proto::{self, UringCmdReq, UringEntInOut, UringReqHeader};
-
-/// Requests answered through each transport, for the stop message and the tests.
-#[derive(Debug, Default)]
-pub(crate) struct Counters {
-    pub(crate) ring: AtomicU64,
-    pub(crate) dev: AtomicU64,
-    /// READs of the ring answered from a read plan (reads on the queue's own ring).
-    pub(crate) planned: AtomicU64,
-    /// Time of each READ, from its arrival to its answer, through either transport.
-    pub(crate) reads: Arc<trace::Histogram>,
-}
+use crate::fuse::Counters;
+use crate::fuse::fs::{DiskFs, Outcome};
+use crate::fuse::proto::{self, UringCmdReq, UringEntInOut, UringReqHeader};
 
 pub(crate) struct Ent {
     /// Written by the kernel when it hands us a request, read by it on commit; we touch

@@ -39,9 +39,9 @@ use crossbeam_channel::{Receiver, Sender};
 use engine::{BlockDevice, ReadInto, ReadPlan, ReadPlanner};
 use io_uring::{cqueue, opcode, squeue, types};
 
-use super::fs::{DiskFs, FILE_ID, Outcome};
-use super::proto;
 use super::ring::{Ent, QueueThread, Request, Ring, push, submit};
+use crate::fuse::fs::{DiskFs, FILE_ID, Outcome};
+use crate::fuse::proto;
 use engine::AlignedBuf;
 
 /// READs shorter than this are planned on the queue thread; longer ones go to the

@@ -16,7 +16,8 @@ use std::sync::Arc;
 
 use engine::{AlignedBuf, BlockDevice, CowEngine, CowEngineOptions};
 
-use super::{FuseUringExport, UringOptions};
+use super::UringOptions;
+use crate::fuse::{FuseExport, FuseOptions};
 
 const BS: usize = 4096;
 
@@ -24,18 +25,22 @@ fn shared() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared")
 }
 
-fn mount(dev: Arc<dyn BlockDevice>, dir: &Path) -> FuseUringExport {
+fn mount(dev: Arc<dyn BlockDevice>, dir: &Path) -> FuseExport {
     mount_with(dev, dir, &UringOptions::default())
 }
 
-fn mount_with(dev: Arc<dyn BlockDevice>, dir: &Path, opts: &UringOptions) -> FuseUringExport {
+fn mount_with(dev: Arc<dyn BlockDevice>, dir: &Path, opts: &UringOptions) -> FuseExport {
     std::fs::write(super::ENABLE_PARAM, "Y").unwrap_or_else(|e| {
         panic!(
             "write {} (needs root and CONFIG_FUSE_IO_URING): {e}",
             super::ENABLE_PARAM
         )
     });
-    FuseUringExport::mount(dev, dir, opts).unwrap()
+    let opts = FuseOptions {
+        uring: Some(opts.clone()),
+        ..FuseOptions::default()
+    };
+    FuseExport::mount(dev, dir, &opts).unwrap()
 }
 
 /// `threads` readers, each doing `reads` `O_DIRECT` reads of 1 to 7 blocks at random

@@ -1,7 +1,7 @@
-//! The file system itself: a root directory holding one read-only regular file. Answers
-//! the same way as the classic frontend (`crate::fuse`): same attributes, 1 h TTLs,
-//! `FOPEN_DIRECT_IO`, EROFS for anything that would write. Shared by both transports:
-//! the io_uring queues and the /dev/fuse reader.
+//! The file system itself: a root directory holding one read-only regular file, with
+//! attributes that never change (1 h TTLs), `FOPEN_DIRECT_IO`, and EROFS for anything
+//! that would write. The one implementation behind both transports: the /dev/fuse
+//! threads and the io_uring queues.
 
 use std::sync::Arc;
 
