@@ -521,28 +521,7 @@ impl CowReader {
                 });
             }
             tail.records += 1;
-            let check48 = |v: u64, what: &str| -> Result<()> {
-                if v >> 48 != 0 {
-                    Err(format_err(
-                        &path,
-                        rec_off,
-                        format!("{what} {v:#x} does not fit in 48 bits"),
-                    ))
-                } else {
-                    Ok(())
-                }
-            };
-            let check_block = |b: u64| -> Result<()> {
-                if b >> 32 != 0 {
-                    Err(format_err(
-                        &path,
-                        rec_off,
-                        format!("new block {b} does not fit in 32 bits"),
-                    ))
-                } else {
-                    Ok(())
-                }
-            };
+            let check48 = |v: u64, what: &str| fits48(&path, rec_off, v, what);
             match r.op_type {
                 op_type::CLUSTER => {
                     if n == 0 {
@@ -583,58 +562,73 @@ impl CowReader {
                     self.advance_data(&mut tail, u64::from(r.data_length));
                 }
                 t => {
-                    let kind = OpKind::from_type_id(t).ok_or_else(|| {
-                        format_err(&path, rec_off, format!("unknown op type {t}"))
-                    })?;
-                    check_block(r.new_block)?;
-                    let mut op = Op {
-                        kind,
-                        new_block: r.new_block,
-                        source: r.source,
-                        blocks: 1,
-                        data_offset: 0,
-                        data_length: 0,
-                    };
-                    match kind {
-                        OpKind::Copy => check48(r.source, "COPY source block")?,
-                        OpKind::Zero => {}
-                        OpKind::Replace | OpKind::Xor => {
-                            check48(r.source, "source")?;
-                            if r.data_length == 0 {
-                                return Err(format_err(
-                                    &path,
-                                    rec_off,
-                                    format!("{kind} op for block {} has no data", r.new_block),
-                                ));
-                            }
-                            self.set_codec_from_op(r.compression, rec_off)?;
-                            op.data_length = u32::from(r.data_length);
-                            // REPLACE names its payload's absolute offset;
-                            // XOR's sits at the data cursor.
-                            op.data_offset = if kind == OpKind::Replace {
-                                r.source
-                            } else {
-                                tail.data_cursor
-                            };
-                            let end = op.data_offset + u64::from(op.data_length);
-                            if end > self.file_size {
-                                return Err(format_err(
-                                    &path,
-                                    rec_off,
-                                    format!(
-                                        "{kind} op for block {}: payload at {}..{end} lies past the end of the file ({} bytes)",
-                                        r.new_block, op.data_offset, self.file_size
-                                    ),
-                                ));
-                            }
-                            self.advance_data(&mut tail, u64::from(r.data_length));
-                        }
-                    }
+                    let op = self.v2_op(t, &r, rec_off, &mut tail)?;
                     tail.seen_data_op = true;
                     self.ops.push(op);
                 }
             }
         }
+    }
+
+    /// Checks one v2 record of an op kind (`t`, not CLUSTER, LABEL, SEQUENCE or FOOTER)
+    /// at `rec_off` and returns its op; an XOR payload sits at the data cursor of
+    /// `tail`, which it advances past the payload.
+    fn v2_op(&mut self, t: u8, r: &RecordV2, rec_off: u64, tail: &mut V2Tail) -> Result<Op> {
+        let path = self.path.clone();
+        let check48 = |v: u64, what: &str| fits48(&path, rec_off, v, what);
+        let kind = OpKind::from_type_id(t)
+            .ok_or_else(|| format_err(&path, rec_off, format!("unknown op type {t}")))?;
+        if r.new_block >> 32 != 0 {
+            return Err(format_err(
+                &path,
+                rec_off,
+                format!("new block {} does not fit in 32 bits", r.new_block),
+            ));
+        }
+        let mut op = Op {
+            kind,
+            new_block: r.new_block,
+            source: r.source,
+            blocks: 1,
+            data_offset: 0,
+            data_length: 0,
+        };
+        match kind {
+            OpKind::Copy => check48(r.source, "COPY source block")?,
+            OpKind::Zero => {}
+            OpKind::Replace | OpKind::Xor => {
+                check48(r.source, "source")?;
+                if r.data_length == 0 {
+                    return Err(format_err(
+                        &path,
+                        rec_off,
+                        format!("{kind} op for block {} has no data", r.new_block),
+                    ));
+                }
+                self.set_codec_from_op(r.compression, rec_off)?;
+                op.data_length = u32::from(r.data_length);
+                // REPLACE names its payload's absolute offset; XOR's sits at the data
+                // cursor.
+                op.data_offset = if kind == OpKind::Replace {
+                    r.source
+                } else {
+                    tail.data_cursor
+                };
+                let end = op.data_offset + u64::from(op.data_length);
+                if end > self.file_size {
+                    return Err(format_err(
+                        &path,
+                        rec_off,
+                        format!(
+                            "{kind} op for block {}: payload at {}..{end} lies past the end of the file ({} bytes)",
+                            r.new_block, op.data_offset, self.file_size
+                        ),
+                    ));
+                }
+                self.advance_data(tail, u64::from(r.data_length));
+            }
+        }
+        Ok(op)
     }
 
     fn advance_data(&self, tail: &mut V2Tail, len: u64) {
@@ -777,92 +771,112 @@ impl CowReader {
         for i in 0..op_count {
             let off = op_start + i * u64::from(OP_SIZE_V3);
             let r = RecordV3::decode(meta.read(off, OP_SIZE_V3 as usize, "op record")?);
-            if r.reserved() != 0 {
-                return Err(format_err(
-                    &path,
-                    off,
-                    "reserved bits 48-56 of source_info are set",
-                ));
-            }
-            let t = r.op_type();
-            let kind = OpKind::from_type_id(t).ok_or_else(|| {
-                format_err(
-                    &path,
-                    off,
-                    format!("op type {t} is not valid in a v3 op record"),
-                )
-            })?;
-            let e = r.exponent();
-            if e != 0 && (kind != OpKind::Replace || e > max_exp) {
-                return Err(format_err(
-                    &path,
-                    off,
-                    format!(
-                        "{kind} op has compression factor exponent {e} (max {} for REPLACE)",
-                        max_exp
-                    ),
-                ));
-            }
-            let mut op = Op {
-                kind,
-                new_block: u64::from(r.new_block),
-                source: r.source(),
-                blocks: 1 << e,
-                data_offset: 0,
-                data_length: 0,
-            };
-            match kind {
-                OpKind::Copy | OpKind::Zero => {
-                    if r.data_length != 0 {
-                        return Err(format_err(
-                            &path,
-                            off,
-                            format!("{kind} op carries {} data bytes", r.data_length),
-                        ));
-                    }
-                }
-                OpKind::Replace | OpKind::Xor => {
-                    if kind == OpKind::Replace && op.source != cursor {
-                        return Err(format_err(
-                            &path,
-                            off,
-                            format!(
-                                "REPLACE op for block {} says its data is at {}, but the data cursor is at {cursor}",
-                                op.new_block, op.source
-                            ),
-                        ));
-                    }
-                    if r.data_length == 0 || r.data_length as usize > op.unit_size() {
-                        return Err(format_err(
-                            &path,
-                            off,
-                            format!(
-                                "{kind} op for block {} has data length {} (unit is {})",
-                                op.new_block,
-                                r.data_length,
-                                op.unit_size()
-                            ),
-                        ));
-                    }
-                    op.data_offset = cursor;
-                    op.data_length = r.data_length;
-                    cursor += u64::from(r.data_length);
-                    if cursor > self.file_size {
-                        return Err(format_err(
-                            &path,
-                            off,
-                            format!(
-                                "{kind} op for block {}: payload at {}..{cursor} lies past the end of the file ({} bytes)",
-                                op.new_block, op.data_offset, self.file_size
-                            ),
-                        ));
-                    }
-                }
-            }
+            let op = self.v3_op(&r, off, max_exp, &mut cursor)?;
             self.ops.push(op);
         }
         Ok(())
     }
+
+    /// Checks one v3 op record at `off` and returns its op; REPLACE and XOR payloads
+    /// follow each other from `cursor`, which it advances.
+    fn v3_op(&self, r: &RecordV3, off: u64, max_exp: u32, cursor: &mut u64) -> Result<Op> {
+        let path = &self.path;
+        if r.reserved() != 0 {
+            return Err(format_err(
+                path,
+                off,
+                "reserved bits 48-56 of source_info are set",
+            ));
+        }
+        let t = r.op_type();
+        let kind = OpKind::from_type_id(t).ok_or_else(|| {
+            format_err(
+                path,
+                off,
+                format!("op type {t} is not valid in a v3 op record"),
+            )
+        })?;
+        let e = r.exponent();
+        if e != 0 && (kind != OpKind::Replace || e > max_exp) {
+            return Err(format_err(
+                path,
+                off,
+                format!(
+                    "{kind} op has compression factor exponent {e} (max {} for REPLACE)",
+                    max_exp
+                ),
+            ));
+        }
+        let mut op = Op {
+            kind,
+            new_block: u64::from(r.new_block),
+            source: r.source(),
+            blocks: 1 << e,
+            data_offset: 0,
+            data_length: 0,
+        };
+        match kind {
+            OpKind::Copy | OpKind::Zero => {
+                if r.data_length != 0 {
+                    return Err(format_err(
+                        path,
+                        off,
+                        format!("{kind} op carries {} data bytes", r.data_length),
+                    ));
+                }
+            }
+            OpKind::Replace | OpKind::Xor => {
+                if kind == OpKind::Replace && op.source != *cursor {
+                    return Err(format_err(
+                        path,
+                        off,
+                        format!(
+                            "REPLACE op for block {} says its data is at {}, but the data cursor is at {cursor}",
+                            op.new_block, op.source
+                        ),
+                    ));
+                }
+                if r.data_length == 0 || r.data_length as usize > op.unit_size() {
+                    return Err(format_err(
+                        path,
+                        off,
+                        format!(
+                            "{kind} op for block {} has data length {} (unit is {})",
+                            op.new_block,
+                            r.data_length,
+                            op.unit_size()
+                        ),
+                    ));
+                }
+                op.data_offset = *cursor;
+                op.data_length = r.data_length;
+                *cursor += u64::from(r.data_length);
+                if *cursor > self.file_size {
+                    return Err(format_err(
+                        path,
+                        off,
+                        format!(
+                            "{kind} op for block {}: payload at {}..{} lies past the end of the file ({} bytes)",
+                            op.new_block, op.data_offset, *cursor, self.file_size
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(op)
+    }
+}
+
+/// An error unless `v` (the field `what` of the record at `off`) fits in 48 bits.
+fn fits48(path: &Path, off: u64, v: u64, what: &str) -> Result<()> {
+    if v >> 48 != 0 {
+        return Err(format_err(
+            path,
+            off,
+            format!("{what} {v:#x} does not fit in 48 bits"),
+        ));
+    }
+    Ok(())
 }
 
 /// Read and check the header (§2.2).

@@ -389,38 +389,7 @@ impl<'a> Merge<'a> {
     /// `opts.max_commits`. `progress(merged, total)` after every commit.
     pub fn run(&self, io: &mut dyn MergeIo, progress: &dyn Fn(u64, u64)) -> Result<MergeReport> {
         let total = self.order.len();
-        // The header page(s) and the scratch area live in `head`, a
-        // page-aligned copy of the COW's first `mirror_len` bytes: the
-        // protocol's COW writes are whole pages of it (the bytes around
-        // what changes are rewritten with what the file already holds), so
-        // they can bypass the page cache.
-        let mut head = AlignedBuf::new(self.mirror_len);
-        // Only the pages of the header and state byte and the last page
-        // (which may hold bytes past the scratch area) are read. The pages
-        // between hold scratch metadata and data only: a publication
-        // rewrites them up to where readers stop (the zero entry, the
-        // window's last slot), and a published window is replayed from the
-        // file, not from here. On the `medium` pair, reading the whole 2 MiB
-        // took a fifth of the merge.
-        let first = (self.header_size + 1)
-            .next_multiple_of(DIRECT_ALIGN)
-            .min(self.mirror_len);
-        let last = (self.mirror_len - 1) / DIRECT_ALIGN * DIRECT_ALIGN;
-        let (front, back) = head.split_at_mut(first.max(last));
-        let mut reqs = vec![(0, &mut front[..first])];
-        if last >= first {
-            reqs.push((last as u64, back));
-        }
-        io.read_many(Dev::Cow, &mut reqs)
-            .map_err(|e| self.cow_io("read header and scratch area", 0, e))?;
-        let (mut pos, state) = self.parse_progress(&head);
-        if pos > total as u64 {
-            return Err(MergeError::Corrupt {
-                path: self.cow_path.clone(),
-                offset: 26,
-                msg: format!("num_merge_ops {pos} exceeds the {total} ops of the merge order"),
-            });
-        }
+        let (mut head, mut pos, state) = self.read_head(io)?;
         let mut report = MergeReport {
             total_ops: total as u64,
             started_at: pos,
@@ -497,46 +466,13 @@ impl<'a> Merge<'a> {
                     }
                 });
             }
-            // Jobs sent and not answered yet, in order.
-            let mut queued: VecDeque<Job> = VecDeque::new();
-            let send = |job: Job, queued: &mut VecDeque<Job>| {
-                // The decoder runs until we hang up; should it have died,
-                // `take` reports it.
-                let _ = job_tx.send(job);
-                queued.push_back(job);
+            let mut link = DecoderLink {
+                jobs: job_tx,
+                done: done_rx,
+                queued: VecDeque::new(),
             };
-            let take =
-                |job: Job, queued: &mut VecDeque<Job>, dec: &mut IoStats| -> Result<Prepared> {
-                    let t = Instant::now();
-                    loop {
-                        let front = queued.pop_front();
-                        let answer = done_rx.recv().map_err(|_| {
-                            self.cow_io(
-                                "decode payloads",
-                                0,
-                                std::io::Error::other("the payload decoder stopped"),
-                            )
-                        })?;
-                        // Answers to jobs no longer wanted (none in practice)
-                        // are skipped.
-                        if front == Some(job) {
-                            let p = answer?;
-                            dec.read_wait += t.elapsed();
-                            dec.syscalls += p.reads;
-                            dec.reads += p.reads;
-                            dec.bytes_read += p.bytes;
-                            return Ok(p);
-                        }
-                    }
-                };
             let mut commits = 0usize;
-            let out_of_budget = |c: usize| {
-                self.opts.max_commits.is_some_and(|m| c >= m)
-                    || self
-                        .cancel
-                        .as_ref()
-                        .is_some_and(|f| f.load(Ordering::Relaxed))
-            };
+            let out_of_budget = |c: usize| self.out_of_budget(c);
             if replay {
                 let n = self.replay_window(io, pos as usize, windows[0], sorteds[0])?;
                 if n > 0 {
@@ -566,14 +502,14 @@ impl<'a> Merge<'a> {
                                 prefetch: bool,
                                 window: &mut [u8],
                                 sorted: &mut [u8],
-                                queued: &mut VecDeque<Job>,
+                                link: &mut DecoderLink,
                                 decoder: &mut IoStats|
              -> Result<Ready> {
                 let (n, direct) = next_window.take().unwrap_or_else(|| self.window_at(at));
                 let p = match pending.take() {
                     Some(p) => p,
                     None => {
-                        send(Job::Xor { pos: at, n }, queued);
+                        link.send(Job::Xor { pos: at, n });
                         // SAFETY: the staging area (2 * cap bytes) is not
                         // touched until `finish_sources` below waits for
                         // the reads.
@@ -581,7 +517,7 @@ impl<'a> Merge<'a> {
                     }
                 };
                 debug_assert_eq!((p.pos, p.n), (at, n));
-                let xors = take(Job::Xor { pos: at, n }, queued, decoder)?;
+                let xors = link.take(self, Job::Xor { pos: at, n }, decoder)?;
                 // SAFETY: the staging area is 2 * cap bytes inside `arena`,
                 // disjoint from every slice in use; `finish_sources` reads
                 // it only after waiting for the reads into it.
@@ -591,7 +527,7 @@ impl<'a> Merge<'a> {
                 if prefetch && next < self.ordered {
                     let (m, d) = self.window_at(next);
                     next_window = Some((m, d));
-                    send(Job::Xor { pos: next, n: m }, queued);
+                    link.send(Job::Xor { pos: next, n: m });
                     // SAFETY: the staging area (consumed by `finish_sources`
                     // above) is left alone until the next assembly's
                     // `finish_sources` waits for these reads; `run` waits
@@ -629,7 +565,7 @@ impl<'a> Merge<'a> {
                         !out_of_budget(commits + 1),
                         windows[slot],
                         sorteds[slot],
-                        &mut queued,
+                        &mut link,
                         &mut decoder,
                     )?,
                 };
@@ -655,7 +591,7 @@ impl<'a> Merge<'a> {
                         !out_of_budget(commits + 2),
                         windows[other],
                         sorteds[other],
-                        &mut queued,
+                        &mut link,
                         &mut decoder,
                     )?);
                 }
@@ -675,30 +611,8 @@ impl<'a> Merge<'a> {
             }
             // REPLACE/ZERO, in the batches the worker decoded ahead.
             while (pos as usize) < total && !out_of_budget(commits) {
-                let t = Instant::now();
-                let (at, end, batch) = replace_rx.recv().map_err(|_| {
-                    self.cow_io(
-                        "decode payloads",
-                        0,
-                        std::io::Error::other("the REPLACE decoder stopped"),
-                    )
-                })??;
-                decoder.read_wait += t.elapsed();
-                decoder.syscalls += batch.reads;
-                decoder.reads += batch.reads;
-                decoder.bytes_read += batch.bytes;
-                if at != pos as usize {
-                    return Err(self.cow_io(
-                        "decode payloads",
-                        0,
-                        std::io::Error::other(format!(
-                            "REPLACE batch at op {at} decoded for op {pos}"
-                        )),
-                    ));
-                }
-                self.write_replace_batch(io, at, end, &batch.data, plan)?;
-                pos = end as u64;
-                self.commit(io, &mut head, pos)?;
+                pos =
+                    self.merge_replace_batch(io, &mut head, pos, &replace_rx, &mut decoder, plan)?;
                 commits += 1;
                 progress(pos, total as u64);
             }
@@ -720,6 +634,90 @@ impl<'a> Merge<'a> {
         report.io.bytes_read += decoder.bytes_read;
         report.io.read_wait += decoder.read_wait;
         Ok(report)
+    }
+
+    /// Reads the COW's header and scratch area into a page-aligned mirror and returns
+    /// it with the merge's progress (`num_merge_ops`) and state byte.
+    fn read_head(&self, io: &mut dyn MergeIo) -> Result<(AlignedBuf, u64, u8)> {
+        // The header page(s) and the scratch area live in `head`, a
+        // page-aligned copy of the COW's first `mirror_len` bytes: the
+        // protocol's COW writes are whole pages of it (the bytes around
+        // what changes are rewritten with what the file already holds), so
+        // they can bypass the page cache.
+        let mut head = AlignedBuf::new(self.mirror_len);
+        // Only the pages of the header and state byte and the last page
+        // (which may hold bytes past the scratch area) are read. The pages
+        // between hold scratch metadata and data only: a publication
+        // rewrites them up to where readers stop (the zero entry, the
+        // window's last slot), and a published window is replayed from the
+        // file, not from here. On the `medium` pair, reading the whole 2 MiB
+        // took a fifth of the merge.
+        let first = (self.header_size + 1)
+            .next_multiple_of(DIRECT_ALIGN)
+            .min(self.mirror_len);
+        let last = (self.mirror_len - 1) / DIRECT_ALIGN * DIRECT_ALIGN;
+        let (front, back) = head.split_at_mut(first.max(last));
+        let mut reqs = vec![(0, &mut front[..first])];
+        if last >= first {
+            reqs.push((last as u64, back));
+        }
+        io.read_many(Dev::Cow, &mut reqs)
+            .map_err(|e| self.cow_io("read header and scratch area", 0, e))?;
+        let (pos, state) = self.parse_progress(&head);
+        let total = self.order.len();
+        if pos > total as u64 {
+            return Err(MergeError::Corrupt {
+                path: self.cow_path.clone(),
+                offset: 26,
+                msg: format!("num_merge_ops {pos} exceeds the {total} ops of the merge order"),
+            });
+        }
+        Ok((head, pos, state))
+    }
+
+    /// Whether a run must stop before its commit number `commits` (`max_commits`, or
+    /// cancelled).
+    fn out_of_budget(&self, commits: usize) -> bool {
+        self.opts.max_commits.is_some_and(|m| commits >= m)
+            || self
+                .cancel
+                .as_ref()
+                .is_some_and(|f| f.load(Ordering::Relaxed))
+    }
+
+    /// Writes the next batch of REPLACE/ZERO ops, decoded ahead by the worker, from
+    /// op `pos` on, and commits it; returns the new `num_merge_ops`.
+    fn merge_replace_batch(
+        &self,
+        io: &mut dyn MergeIo,
+        head: &mut [u8],
+        pos: u64,
+        batches: &mpsc::Receiver<Result<(usize, usize, Prepared)>>,
+        decoder: &mut IoStats,
+        plan: &EarlyPlan,
+    ) -> Result<u64> {
+        let t = Instant::now();
+        let (at, end, batch) = batches.recv().map_err(|_| {
+            self.cow_io(
+                "decode payloads",
+                0,
+                std::io::Error::other("the REPLACE decoder stopped"),
+            )
+        })??;
+        decoder.read_wait += t.elapsed();
+        decoder.syscalls += batch.reads;
+        decoder.reads += batch.reads;
+        decoder.bytes_read += batch.bytes;
+        if at != pos as usize {
+            return Err(self.cow_io(
+                "decode payloads",
+                0,
+                std::io::Error::other(format!("REPLACE batch at op {at} decoded for op {pos}")),
+            ));
+        }
+        self.write_replace_batch(io, at, end, &batch.data, plan)?;
+        self.commit(io, head, end as u64)?;
+        Ok(end as u64)
     }
 
     fn cow_io(&self, op: &'static str, offset: u64, e: std::io::Error) -> MergeError {
@@ -1232,6 +1230,47 @@ fn conflicts(ordered: &[Op], blocks: usize) -> Vec<u32> {
         last_writer.set(op.new_block, j);
     }
     out
+}
+
+/// The run's link to the XOR decoder thread (`prepare::serve`): jobs sent, in order,
+/// and their answers.
+struct DecoderLink {
+    jobs: mpsc::Sender<Job>,
+    done: mpsc::Receiver<Result<Prepared>>,
+    /// Jobs sent and not answered yet, in order.
+    queued: VecDeque<Job>,
+}
+
+impl DecoderLink {
+    fn send(&mut self, job: Job) {
+        // The decoder runs until we hang up; should it have died, `take` reports it.
+        let _ = self.jobs.send(job);
+        self.queued.push_back(job);
+    }
+
+    /// Waits for the answer to `job`, adding its reads and the wait to `dec`.
+    fn take(&mut self, m: &Merge, job: Job, dec: &mut IoStats) -> Result<Prepared> {
+        let t = Instant::now();
+        loop {
+            let front = self.queued.pop_front();
+            let answer = self.done.recv().map_err(|_| {
+                m.cow_io(
+                    "decode payloads",
+                    0,
+                    std::io::Error::other("the payload decoder stopped"),
+                )
+            })?;
+            // Answers to jobs no longer wanted (none in practice) are skipped.
+            if front == Some(job) {
+                let p = answer?;
+                dec.read_wait += t.elapsed();
+                dec.syscalls += p.reads;
+                dec.reads += p.reads;
+                dec.bytes_read += p.bytes;
+                return Ok(p);
+            }
+        }
+    }
 }
 
 #[cfg(test)]
