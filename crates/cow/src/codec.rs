@@ -266,9 +266,9 @@ pub fn decompress(codec: Codec, input: &[u8], out: &mut [u8]) -> Result<(), Stri
             }
         }
         Codec::Lz4 => {
-            // liblz4's LZ4_decompress_safe (bounds-checked against corrupt
-            // input): 40% faster than lz4_flex's safe decoder on 4 KiB
-            // blocks here, and every served XOR/REPLACE block pays it.
+            // liblz4's LZ4_decompress_safe (bounds-checked against corrupt input):
+            // 40% faster than lz4_flex's safe decoder on 4 KiB blocks here, and every
+            // served XOR/REPLACE block pays it.
             let (Ok(_), Ok(want)) = (i32::try_from(input.len()), i32::try_from(out.len())) else {
                 return Err(format!("lz4: block of {} bytes too large", input.len()));
             };

@@ -292,5 +292,8 @@ fn lz4_payloads_are_the_bytes_aosp_stores() {
             compared += 1;
         }
     }
-    assert!(compared > 0, "no compressed lz4 REPLACE payload in the vectors");
+    assert!(
+        compared > 0,
+        "no compressed lz4 REPLACE payload in the vectors"
+    );
 }

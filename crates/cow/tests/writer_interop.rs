@@ -120,10 +120,10 @@ fn same_calls_same_image() {
 }
 
 /// Where the codec's output is the same library's (none; zstd through
-/// libzstd at AOSP's level and window), the files are byte-identical to
-/// AOSP's, except the v3 resume_point_count that AOSP never clamps (6 there,
-/// 4 here). gz, brotli and lz4 differ only inside the compressed payloads:
-/// other encoders, same decoders.
+/// libzstd at AOSP's level and window; lz4 through liblz4's
+/// LZ4_compress_default), the files are byte-identical to AOSP's, except the v3
+/// resume_point_count that AOSP never clamps (6 there, 4 here). gz and brotli
+/// differ only inside the compressed payloads: other encoders, same decoders.
 #[test]
 fn byte_identical_where_the_encoder_is_the_same() {
     let dir = tempfile::tempdir().unwrap();
@@ -132,6 +132,9 @@ fn byte_identical_where_the_encoder_is_the_same() {
         ("v3_none_4096.cow", 3, Codec::None, 4096),
         ("v2_zstd_4096.cow", 2, Codec::Zstd, 4096),
         ("v3_zstd_16384.cow", 3, Codec::Zstd, 16384),
+        ("v2_lz4_4096.cow", 2, Codec::Lz4, 4096),
+        ("v3_lz4_65536.cow", 3, Codec::Lz4, 65536),
+        ("v3_lz4_262144.cow", 3, Codec::Lz4, 262144),
     ] {
         let ours = dir.path().join(name);
         write_like_aosp(&ours, version, codec, factor);
