@@ -36,7 +36,7 @@ pub use cow_engine::{
 pub use error::{EngineError, Result};
 pub use io::{AlignedBuf, DIRECT_ALIGN, HUGE_PAGE, ImageFile};
 pub use readahead::{Readahead, ReadaheadOptions, ReadaheadStats};
-pub use uring::usable as io_uring_usable;
+pub use uring::{enter as io_uring_enter, usable as io_uring_usable};
 
 /// Block size of the COW format and the engine's preferred I/O granularity.
 pub const BLOCK_SIZE: usize = 4096;

@@ -14,6 +14,28 @@ use std::os::fd::RawFd;
 use io_uring::{IoUring, opcode, types};
 use smallvec::SmallVec;
 
+/// `io_uring_enter`: submits what is queued and, with `want` above zero, waits for
+/// that many completions, again when a signal interrupts the wait. Every ring of the
+/// project that needs nothing more (the FUSE queues, ublk's control and queue rings)
+/// enters through here; the merge's adds a stall timeout, and the read batches below
+/// treat EAGAIN/EBUSY as "reap first".
+pub fn enter<S, C>(ring: &mut IoUring<S, C>, want: usize) -> io::Result<usize>
+where
+    S: io_uring::squeue::EntryMarker,
+    C: io_uring::cqueue::EntryMarker,
+{
+    loop {
+        let r = match want {
+            0 => ring.submit(),
+            n => ring.submit_and_wait(n),
+        };
+        match r {
+            Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+            r => return r,
+        }
+    }
+}
+
 /// Submission queue size of each thread's ring; longer batches go in several rounds.
 const RING_ENTRIES: u32 = 64;
 

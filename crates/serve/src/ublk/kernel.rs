@@ -111,13 +111,9 @@ impl KernelTransport {
             return Err(fail(io::Error::other("control ring full")));
         }
         loop {
-            match ring.submit_and_wait(1) {
-                Ok(_) => {}
-                Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
-                Err(e) => {
-                    *guard = None;
-                    return Err(fail(e));
-                }
+            if let Err(e) = engine::io_uring_enter(ring, 1) {
+                *guard = None;
+                return Err(fail(e));
             }
             if let Some(cqe) = ring.completion().next() {
                 let res = cqe.result();
@@ -379,24 +375,13 @@ impl KernelQueue {
     }
 
     fn submit(&mut self, wait: bool) -> Result<(), UblkError> {
-        loop {
-            let r = if wait {
-                self.ring.submit_and_wait(1)
-            } else {
-                self.ring.submit()
-            };
-            match r {
-                Ok(_) => return Ok(()),
-                Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
-                Err(source) => {
-                    return Err(UblkError::Io {
-                        op: "submit queue commands to",
-                        path: self.path.clone(),
-                        source,
-                    });
-                }
-            }
-        }
+        engine::io_uring_enter(&mut self.ring, usize::from(wait))
+            .map(drop)
+            .map_err(|source| UblkError::Io {
+                op: "submit queue commands to",
+                path: self.path.clone(),
+                source,
+            })
     }
 
     fn desc(&self, tag: u16) -> IoDesc {

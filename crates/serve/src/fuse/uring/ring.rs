@@ -321,11 +321,5 @@ pub(crate) unsafe fn push(ring: &mut Ring, sqe: &squeue::Entry128) -> io::Result
 }
 
 pub(crate) fn submit(ring: &mut Ring, want: usize) -> io::Result<()> {
-    loop {
-        match ring.submit_and_wait(want) {
-            Ok(_) => return Ok(()),
-            Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
-            Err(e) => return Err(e),
-        }
-    }
+    engine::io_uring_enter(ring, want).map(drop)
 }
