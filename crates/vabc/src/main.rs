@@ -51,6 +51,9 @@ enum Command {
     Serve(Box<cmd::serve::Args>),
     /// Write the manifest (which base, which result) of a COW made by another tool.
     Manifest(cmd::manifest::Args),
+    /// The update as one signed file: create, info, verify, install (into device
+    /// COWs), apply (into new images).
+    Bundle(cmd::bundle::Args),
     /// Write the manual pages (vabc.1, vabc-diff.1, ...) into a folder.
     Man(cmd::docs::ManArgs),
     /// Print the completion script for a shell (bash, zsh, fish, elvish, powershell).
@@ -94,6 +97,7 @@ fn main() -> std::process::ExitCode {
         Command::Serve(a) => cmd::serve::run(*a),
         Command::Cleanup(a) => cmd::cleanup::run(a),
         Command::Manifest(a) => cmd::manifest::run(a),
+        Command::Bundle(a) => cmd::bundle::run(a),
         Command::Man(a) => cmd::docs::man(a, Cli::command()),
         Command::Completions(a) => cmd::docs::completions(a, Cli::command()),
     };

@@ -119,9 +119,19 @@ fn parse_factor(s: &str) -> Result<u32, String> {
 }
 
 /// indicatif bar, shown only when stderr is a terminal.
-struct Bar {
+pub(crate) struct Bar {
     bar: Mutex<Option<progress::Progress>>,
     on: bool,
+}
+
+impl Bar {
+    /// Progress of planning and writing, shown as `progress::init` decided.
+    pub(crate) fn new() -> Bar {
+        Bar {
+            bar: Mutex::new(None),
+            on: true,
+        }
+    }
 }
 
 impl Progress for Bar {

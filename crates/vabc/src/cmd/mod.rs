@@ -1,5 +1,6 @@
 pub mod apply;
 pub mod avb;
+pub mod bundle;
 pub mod cleanup;
 pub mod diff;
 pub mod docs;

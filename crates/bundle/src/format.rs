@@ -1,0 +1,522 @@
+//! The container: a fixed header, the manifest (JSON), the signature, then each
+//! partition's payload.
+//!
+//! JSON for the manifest because it is small (a few hundred KiB at most, most of it
+//! per-op hashes), read once, shown to people (`vabc bundle info`), and grows by new
+//! optional fields without a version bump; a reader refuses a header version it does
+//! not know. Everything else is bytes bound to the manifest by sha256.
+
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use zerocopy::little_endian::U32;
+use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
+
+use crate::sign::{PublicKey, SIGNATURE_LEN, SecretKey};
+use crate::{BundleError, Result, io_err};
+
+/// The first 8 bytes of every bundle.
+pub const MAGIC: [u8; 8] = *b"VABCBNDL";
+/// The container version this build writes and reads.
+pub const FORMAT_VERSION: u32 = 1;
+/// Bytes of the fixed header.
+pub const HEADER_SIZE: usize = size_of::<Header>();
+/// Largest manifest a reader accepts: bounds what a damaged length makes it allocate
+/// (a manifest holds 16 hex digits per COW op: 64 MiB is four million ops).
+pub const MAX_MANIFEST: u32 = 64 << 20;
+
+/// The fixed header.
+#[derive(Clone, Copy, Debug, FromBytes, IntoBytes, KnownLayout, Immutable)]
+#[repr(C)]
+struct Header {
+    magic: [u8; 8],
+    version: U32,
+    /// Zero; a reader refuses other values (room for flags a reader must understand).
+    flags: U32,
+    manifest_len: U32,
+    /// 0 for an unsigned bundle, else [`SIGNATURE_LEN`].
+    signature_len: U32,
+    reserved: [u8; 8],
+}
+
+/// What a bundle holds: read first, signed, and the only thing a device must trust.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BundleManifest {
+    /// `vabc-bundle`.
+    pub format: String,
+    /// Who wrote it (`vabc 0.1.0`).
+    pub created_by: String,
+    /// Key id of the signer ([`PublicKey::id`]), `None` when unsigned.
+    #[serde(default)]
+    pub signer: Option<String>,
+    /// The partitions, in payload order.
+    pub partitions: Vec<Partition>,
+}
+
+/// One partition's update.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Partition {
+    /// Partition name (`system`, `vendor`, ...): names its base and its outputs.
+    pub name: String,
+    /// The base it needs, the image it makes, and the per-op hashes of the COW it
+    /// writes: the sidecar `vabc diff` writes beside a COW, written beside the
+    /// installed one.
+    pub image: manifest::Manifest,
+    /// The COW the device writes.
+    pub cow: CowParams,
+    /// Blocks per op kind.
+    pub plan: PlanCounts,
+    /// Where its payload is and what it hashes to.
+    pub payload: PayloadInfo,
+}
+
+/// The device-form COW: how it is written, and what it must come out as.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CowParams {
+    /// COW format version, 2 or 3.
+    pub version: u16,
+    /// Codec and level, as `vabc diff --compression` takes it.
+    pub compression: String,
+    /// Largest REPLACE unit in bytes.
+    pub compression_factor: u32,
+    /// v3 ops ascending by block with the merge order as sequence data.
+    pub block_order: bool,
+    /// Size of the COW file.
+    pub size: u64,
+    /// sha256 of the COW file, hex.
+    pub sha256: String,
+}
+
+/// Blocks per op kind of a partition's plan.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PlanCounts {
+    pub unchanged: u64,
+    pub copy: u64,
+    pub xor: u64,
+    pub zero: u64,
+    pub replace: u64,
+}
+
+/// A partition's payload.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PayloadInfo {
+    /// Offset from the start of the payload area (the first byte after the signature).
+    pub offset: u64,
+    /// Bytes.
+    pub length: u64,
+    /// sha256 of the payload, hex.
+    pub sha256: String,
+    /// Bytes of the plan section at its start (the data stream follows).
+    pub plan_length: u64,
+    /// Bytes the data stream decodes to (4 KiB per REPLACE and XOR block).
+    pub data_bytes: u64,
+}
+
+impl BundleManifest {
+    /// The partition named `name`.
+    pub fn partition(&self, name: &str) -> Option<&Partition> {
+        self.partitions.iter().find(|p| p.name == name)
+    }
+
+    /// Bytes of all payloads.
+    pub fn payload_bytes(&self) -> u64 {
+        self.partitions.iter().map(|p| p.payload.length).sum()
+    }
+}
+
+fn header_bytes(manifest_len: usize, signed: bool) -> [u8; HEADER_SIZE] {
+    let h = Header {
+        magic: MAGIC,
+        version: FORMAT_VERSION.into(),
+        flags: 0.into(),
+        manifest_len: (manifest_len as u32).into(),
+        signature_len: if signed { SIGNATURE_LEN as u32 } else { 0 }.into(),
+        reserved: [0; 8],
+    };
+    let mut out = [0u8; HEADER_SIZE];
+    out.copy_from_slice(h.as_bytes());
+    out
+}
+
+/// Writes a bundle: payloads first, into a temporary file beside the output, then the
+/// header, manifest and signature in front of them on [`BundleWriter::finish`].
+#[derive(Debug)]
+pub struct BundleWriter {
+    out: PathBuf,
+    payloads: tempfile::NamedTempFile,
+    written: u64,
+    partitions: Vec<Partition>,
+}
+
+impl BundleWriter {
+    /// A writer of the bundle `out` (created on [`BundleWriter::finish`]).
+    pub fn new(out: &Path) -> Result<BundleWriter> {
+        let payloads = temp_beside(out)?;
+        Ok(BundleWriter {
+            out: out.to_path_buf(),
+            payloads,
+            written: 0,
+            partitions: Vec::new(),
+        })
+    }
+
+    /// Where the next payload goes: append its bytes, then call
+    /// [`BundleWriter::add_partition`].
+    pub fn payload_file(&mut self) -> &mut File {
+        self.payloads.as_file_mut()
+    }
+
+    /// Records the partition whose payload was appended since the last one; its
+    /// `payload` offset, length and sha256 are filled in here.
+    pub fn add_partition(&mut self, mut part: Partition) -> Result<()> {
+        let path = self.payloads.path().to_path_buf();
+        let f = self.payloads.as_file_mut();
+        let end = f.seek(SeekFrom::End(0)).map_err(io_err(&path, "seek", 0))?;
+        let start = self.written;
+        let mut hasher = Sha256::new();
+        f.seek(SeekFrom::Start(start))
+            .map_err(io_err(&path, "seek", start))?;
+        std::io::copy(
+            &mut (&mut *f).take(end - start),
+            &mut HashWriter(&mut hasher),
+        )
+        .map_err(io_err(&path, "read back", start))?;
+        part.payload.offset = start;
+        part.payload.length = end - start;
+        part.payload.sha256 = hex::encode(hasher.finalize());
+        self.written = end;
+        self.partitions.push(part);
+        Ok(())
+    }
+
+    /// Writes header, manifest, signature (with `key`) and the payloads to the
+    /// output, through a temporary file renamed into place. Returns the manifest.
+    pub fn finish(self, key: Option<&SecretKey>, created_by: &str) -> Result<BundleManifest> {
+        let manifest = BundleManifest {
+            format: "vabc-bundle".into(),
+            created_by: created_by.into(),
+            signer: key.map(|k| k.public().id()),
+            partitions: self.partitions,
+        };
+        let json = serde_json::to_vec_pretty(&manifest).map_err(|e| BundleError::Format {
+            path: self.out.clone(),
+            offset: HEADER_SIZE as u64,
+            msg: format!("cannot encode the manifest: {e}"),
+        })?;
+        let header = header_bytes(json.len(), key.is_some());
+        let mut tmp = temp_beside(&self.out)?;
+        let tpath = tmp.path().to_path_buf();
+        let f = tmp.as_file_mut();
+        f.write_all(&header).map_err(io_err(&tpath, "write", 0))?;
+        f.write_all(&json)
+            .map_err(io_err(&tpath, "write", HEADER_SIZE as u64))?;
+        if let Some(k) = key {
+            let sig = k.sign(&[&header, &json]);
+            f.write_all(&sig).map_err(io_err(
+                &tpath,
+                "write",
+                (HEADER_SIZE + json.len()) as u64,
+            ))?;
+        }
+        let mut payloads =
+            self.payloads
+                .reopen()
+                .map_err(io_err(self.payloads.path(), "reopen", 0))?;
+        std::io::copy(&mut payloads, f).map_err(io_err(&tpath, "copy payloads into", 0))?;
+        f.sync_all().map_err(io_err(&tpath, "sync", 0))?;
+        tmp.persist(&self.out)
+            .map_err(|e| io_err(&self.out, "rename the finished bundle to", 0)(e.error))?;
+        Ok(manifest)
+    }
+}
+
+fn temp_beside(out: &Path) -> Result<tempfile::NamedTempFile> {
+    let dir = match out.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let name = out
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    tempfile::Builder::new()
+        .prefix(&format!(".{name}."))
+        .suffix(".tmp")
+        .tempfile_in(&dir)
+        .map_err(io_err(&dir, "create a temporary file in", 0))
+}
+
+struct HashWriter<'a>(&'a mut Sha256);
+
+impl Write for HashWriter<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.update(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Reads a bundle from any byte stream (a file, stdin, a download): header, manifest
+/// and signature first, then each payload in order through
+/// [`BundleReader::payload`].
+pub struct BundleReader<R: Read> {
+    input: R,
+    path: PathBuf,
+    /// Bytes consumed so far.
+    pos: u64,
+    payload_start: u64,
+    manifest: BundleManifest,
+    signed: bool,
+    next: usize,
+}
+
+impl<R: Read> std::fmt::Debug for BundleReader<R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BundleReader")
+            .field("path", &self.path)
+            .field("pos", &self.pos)
+            .finish()
+    }
+}
+
+/// How a reader treats the signature.
+#[derive(Clone, Copy, Debug)]
+pub enum Trust<'a> {
+    /// The bundle must be signed by this key.
+    Key(&'a PublicKey),
+    /// Accept any bundle, signed or not, without checking (`--allow-unsigned`,
+    /// `vabc bundle info`).
+    Unchecked,
+}
+
+impl<R: Read> BundleReader<R> {
+    /// Reads the header, manifest and signature, and checks the signature as `trust`
+    /// says. `path` names the input in errors (`-` for stdin).
+    pub fn open(mut input: R, path: &Path, trust: Trust<'_>) -> Result<BundleReader<R>> {
+        let fail = |offset: u64, msg: String| BundleError::Format {
+            path: path.to_path_buf(),
+            offset,
+            msg,
+        };
+        let mut hb = [0u8; HEADER_SIZE];
+        read_full(&mut input, &mut hb, path, 0, "the header")?;
+        let h = Header::read_from_bytes(&hb).map_err(|_| fail(0, "short header".into()))?;
+        if h.magic != MAGIC {
+            return Err(fail(0, "not a vabc bundle (bad magic)".into()));
+        }
+        let version = h.version.get();
+        if version != FORMAT_VERSION {
+            return Err(fail(
+                8,
+                format!(
+                    "bundle format version {version}; this vabc reads version {FORMAT_VERSION}"
+                ),
+            ));
+        }
+        if h.flags.get() != 0 {
+            return Err(fail(
+                12,
+                format!("unknown header flags {:#x}", h.flags.get()),
+            ));
+        }
+        let mlen = h.manifest_len.get();
+        if mlen == 0 || mlen > MAX_MANIFEST {
+            return Err(fail(16, format!("manifest length {mlen} is out of range")));
+        }
+        let slen = h.signature_len.get() as usize;
+        if slen != 0 && slen != SIGNATURE_LEN {
+            return Err(fail(
+                20,
+                format!("signature length {slen}; an Ed25519 signature is {SIGNATURE_LEN}"),
+            ));
+        }
+        let mut json = vec![0u8; mlen as usize];
+        read_full(
+            &mut input,
+            &mut json,
+            path,
+            HEADER_SIZE as u64,
+            "the manifest",
+        )?;
+        let mut sig = vec![0u8; slen];
+        let sig_at = (HEADER_SIZE + json.len()) as u64;
+        read_full(&mut input, &mut sig, path, sig_at, "the signature")?;
+        // The signature first: nothing of an unverified manifest is believed.
+        if let Trust::Key(key) = trust {
+            if slen == 0 {
+                return Err(BundleError::Signature {
+                    path: path.to_path_buf(),
+                    msg: "the bundle is not signed; install it with --allow-unsigned only if \
+                          you trust where it came from"
+                        .into(),
+                });
+            }
+            key.verify(&[&hb, &json], &sig)
+                .map_err(|msg| BundleError::Signature {
+                    path: path.to_path_buf(),
+                    msg,
+                })?;
+        }
+        let manifest: BundleManifest = serde_json::from_slice(&json)
+            .map_err(|e| fail(HEADER_SIZE as u64, format!("bad manifest: {e}")))?;
+        if manifest.format != "vabc-bundle" {
+            return Err(fail(
+                HEADER_SIZE as u64,
+                format!("manifest format {:?}, not vabc-bundle", manifest.format),
+            ));
+        }
+        let mut at = 0;
+        for p in &manifest.partitions {
+            if p.payload.offset != at || p.payload.plan_length > p.payload.length {
+                return Err(fail(
+                    HEADER_SIZE as u64,
+                    format!(
+                        "partition {:?}: payload at {} (+{} bytes) does not follow the one before it",
+                        p.name, p.payload.offset, p.payload.length
+                    ),
+                ));
+            }
+            at += p.payload.length;
+        }
+        let payload_start = sig_at + slen as u64;
+        Ok(BundleReader {
+            input,
+            path: path.to_path_buf(),
+            pos: payload_start,
+            payload_start,
+            manifest,
+            signed: slen != 0,
+            next: 0,
+        })
+    }
+
+    /// The manifest (verified, if the reader was opened with a key).
+    pub fn manifest(&self) -> &BundleManifest {
+        &self.manifest
+    }
+
+    /// Whether the bundle carries a signature (checked only with [`Trust::Key`]).
+    pub fn is_signed(&self) -> bool {
+        self.signed
+    }
+
+    /// Where the payloads start in the bundle.
+    pub fn payload_start(&self) -> u64 {
+        self.payload_start
+    }
+
+    /// The next partition's payload as a stream, hashed as it is read: call
+    /// [`PayloadStream::finish`] once consumed, which fails unless the bytes hash to
+    /// the manifest's sha256. `None` after the last partition.
+    pub fn payload(&mut self) -> Option<(Partition, PayloadStream<'_, R>)> {
+        let part = self.manifest.partitions.get(self.next)?.clone();
+        self.next += 1;
+        let len = part.payload.length;
+        let start = self.pos;
+        self.pos += len;
+        Some((
+            part.clone(),
+            PayloadStream {
+                inner: (&mut self.input).take(len),
+                hasher: Sha256::new(),
+                path: self.path.clone(),
+                start,
+                len,
+                read: 0,
+                part,
+            },
+        ))
+    }
+}
+
+/// One payload, hashed as it is read.
+pub struct PayloadStream<'a, R: Read> {
+    inner: std::io::Take<&'a mut R>,
+    hasher: Sha256,
+    path: PathBuf,
+    start: u64,
+    len: u64,
+    read: u64,
+    part: Partition,
+}
+
+impl<R: Read> Read for PayloadStream<'_, R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.hasher.update(&buf[..n]);
+        self.read += n as u64;
+        Ok(n)
+    }
+}
+
+impl<R: Read> PayloadStream<'_, R> {
+    /// Offset in the bundle of the next byte this stream returns.
+    pub fn position(&self) -> u64 {
+        self.start + self.read
+    }
+
+    /// Reads what is left of the payload and checks its sha256 against the manifest.
+    pub fn finish(mut self) -> Result<()> {
+        let at = self.position();
+        std::io::copy(&mut self, &mut std::io::sink()).map_err(io_err(
+            &self.path,
+            "read the payload",
+            at,
+        ))?;
+        if self.read != self.len {
+            return Err(BundleError::Format {
+                path: self.path.clone(),
+                offset: self.start + self.read,
+                msg: format!(
+                    "truncated: partition {:?} has {} of its {} payload bytes",
+                    self.part.name, self.read, self.len
+                ),
+            });
+        }
+        let got = hex::encode(self.hasher.finalize_reset());
+        if got != self.part.payload.sha256 {
+            return Err(BundleError::PayloadHash {
+                path: self.path.clone(),
+                partition: self.part.name.clone(),
+                offset: self.start,
+                len: self.len,
+                got,
+                want: self.part.payload.sha256.clone(),
+            });
+        }
+        Ok(())
+    }
+}
+
+fn read_full(
+    input: &mut impl Read,
+    buf: &mut [u8],
+    path: &Path,
+    offset: u64,
+    what: &str,
+) -> Result<()> {
+    let mut got = 0;
+    while got < buf.len() {
+        match input.read(&mut buf[got..]) {
+            Ok(0) => {
+                return Err(BundleError::Format {
+                    path: path.to_path_buf(),
+                    offset: offset + got as u64,
+                    msg: format!(
+                        "truncated: the bundle ends inside {what} ({got} of {} bytes)",
+                        buf.len()
+                    ),
+                });
+            }
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(io_err(path, "read", offset + got as u64)(e)),
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,231 @@
+//! A [`delta::Plan`] as bytes: each op as its distance from the op before it (blocks
+//! skipped, source relative to destination) in `postcard`'s varints, then zstd. Runs
+//! of neighbouring ops become runs of equal small numbers, which zstd folds away: on
+//! the `system` pair the plan of ~150 000 ops takes a few hundred KiB.
+
+use delta::{BlockOp, Census, Plan, PlannedOp};
+use serde::{Deserialize, Serialize};
+
+/// What the varints encode.
+#[derive(Serialize, Deserialize)]
+struct WirePlan {
+    old_size: u64,
+    new_size: u64,
+    ops: Vec<WireOp>,
+    /// Each merge-sequence entry minus the one before it.
+    sequence: Vec<i64>,
+}
+
+/// `gap`: blocks between the previous op's destination and this one's, minus one.
+#[derive(Serialize, Deserialize)]
+enum WireOp {
+    /// `src`: source block minus destination block.
+    Copy {
+        gap: u64,
+        src: i64,
+    },
+    /// `src`: source byte offset minus the destination's byte offset.
+    Xor {
+        gap: u64,
+        src: i64,
+    },
+    Zero {
+        gap: u64,
+    },
+    Replace {
+        gap: u64,
+    },
+}
+
+const BS: u64 = delta::BLOCK_SIZE as u64;
+
+/// Encodes `plan` (its ops, merge sequence and sizes; the census is recomputed on
+/// decoding).
+pub fn encode(plan: &Plan, level: i32) -> std::io::Result<Vec<u8>> {
+    let mut next = 0u64;
+    let ops = plan
+        .ops
+        .iter()
+        .map(|p| {
+            let gap = p.dst - next;
+            next = p.dst + 1;
+            let rel = |src: u64, dst: u64| src as i64 - dst as i64;
+            match p.op {
+                BlockOp::Copy { src_block } => WireOp::Copy {
+                    gap,
+                    src: rel(src_block, p.dst),
+                },
+                BlockOp::Xor { src_offset } => WireOp::Xor {
+                    gap,
+                    src: rel(src_offset, p.dst * BS),
+                },
+                BlockOp::Zero => WireOp::Zero { gap },
+                BlockOp::Replace => WireOp::Replace { gap },
+            }
+        })
+        .collect();
+    let mut prev = 0i64;
+    let sequence = plan
+        .sequence
+        .iter()
+        .map(|&b| {
+            let d = b as i64 - prev;
+            prev = b as i64;
+            d
+        })
+        .collect();
+    let wire = WirePlan {
+        old_size: plan.old_size,
+        new_size: plan.new_size,
+        ops,
+        sequence,
+    };
+    let raw = postcard::to_stdvec(&wire).map_err(std::io::Error::other)?;
+    zstd::bulk::compress(&raw, level)
+}
+
+/// Decodes a plan for images of at most `new_size` bytes (from the signed manifest:
+/// bounds what a damaged plan can make us allocate). The error says what is wrong.
+pub fn decode(bytes: &[u8], new_size: u64) -> Result<Plan, String> {
+    let blocks = new_size / BS;
+    // Per op at most ~30 bytes of varints, per sequence entry ~10.
+    let cap = usize::try_from(blocks.saturating_mul(40).saturating_add(1 << 16))
+        .map_err(|_| "image too large".to_string())?;
+    let raw = zstd::bulk::decompress(bytes, cap).map_err(|e| format!("plan: zstd: {e}"))?;
+    let wire: WirePlan = postcard::from_bytes(&raw).map_err(|e| format!("plan: {e}"))?;
+    if wire.new_size != new_size {
+        return Err(format!(
+            "plan is for a {}-byte image, the manifest says {new_size}",
+            wire.new_size
+        ));
+    }
+    let bad = |what: &str| Err(format!("plan: {what}"));
+    let mut census = Census::default();
+    let mut ops = Vec::with_capacity(wire.ops.len());
+    let mut next = 0u64;
+    for w in &wire.ops {
+        let (gap, op) = match *w {
+            WireOp::Copy { gap, src } => (gap, Some(src)),
+            WireOp::Xor { gap, src } => (gap, Some(src)),
+            WireOp::Zero { gap } | WireOp::Replace { gap } => (gap, None),
+        };
+        let dst = match next.checked_add(gap) {
+            Some(d) if d < blocks => d,
+            _ => return bad("an op lies past the end of the image"),
+        };
+        next = dst + 1;
+        let abs = |base: u64, rel: i64| base.checked_add_signed(rel);
+        let op = match (w, op) {
+            (WireOp::Copy { .. }, Some(src)) => match abs(dst, src) {
+                Some(src_block) => {
+                    census.copy += 1;
+                    BlockOp::Copy { src_block }
+                }
+                None => return bad("a COPY source lies before the image"),
+            },
+            (WireOp::Xor { .. }, Some(src)) => match abs(dst * BS, src) {
+                Some(src_offset) => {
+                    census.xor += 1;
+                    BlockOp::Xor { src_offset }
+                }
+                None => return bad("an XOR source lies before the image"),
+            },
+            (WireOp::Zero { .. }, _) => {
+                census.zero += 1;
+                BlockOp::Zero
+            }
+            _ => {
+                census.replace += 1;
+                BlockOp::Replace
+            }
+        };
+        ops.push(PlannedOp { dst, op });
+    }
+    census.unchanged = blocks - ops.len() as u64;
+    let mut prev = 0i64;
+    let mut sequence = Vec::with_capacity(wire.sequence.len());
+    for d in &wire.sequence {
+        prev = prev
+            .checked_add(*d)
+            .filter(|b| (0..blocks as i64).contains(b))
+            .ok_or_else(|| "plan: a merge-sequence entry lies outside the image".to_string())?;
+        sequence.push(prev as u64);
+    }
+    Ok(Plan {
+        old_size: wire.old_size,
+        new_size: wire.new_size,
+        ops,
+        sequence,
+        census,
+        index_bytes: 0,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip() {
+        let ops = vec![
+            PlannedOp {
+                dst: 0,
+                op: BlockOp::Copy { src_block: 7 },
+            },
+            PlannedOp {
+                dst: 1,
+                op: BlockOp::Xor { src_offset: 3 },
+            },
+            PlannedOp {
+                dst: 5,
+                op: BlockOp::Zero,
+            },
+            PlannedOp {
+                dst: 9,
+                op: BlockOp::Replace,
+            },
+        ];
+        let plan = Plan {
+            old_size: 16 * BS,
+            new_size: 10 * BS,
+            ops,
+            sequence: vec![1, 0],
+            census: Census::default(),
+            index_bytes: 0,
+        };
+        let back = decode(&encode(&plan, 3).unwrap(), 10 * BS).unwrap();
+        assert_eq!(back.ops, plan.ops);
+        assert_eq!(back.sequence, plan.sequence);
+        assert_eq!(
+            (back.old_size, back.new_size),
+            (plan.old_size, plan.new_size)
+        );
+        assert_eq!(back.census.unchanged, 6);
+        // Another size, and bytes that are no plan, are refused.
+        assert!(decode(&encode(&plan, 3).unwrap(), 11 * BS).is_err());
+        assert!(decode(b"not zstd", 10 * BS).is_err());
+    }
+
+    #[test]
+    fn ops_past_the_end_are_refused() {
+        let plan = Plan {
+            old_size: 4 * BS,
+            new_size: 4 * BS,
+            ops: vec![PlannedOp {
+                dst: 3,
+                op: BlockOp::Replace,
+            }],
+            sequence: vec![],
+            census: Census::default(),
+            index_bytes: 0,
+        };
+        let bytes = encode(&plan, 3).unwrap();
+        assert!(decode(&bytes, 4 * BS).is_ok());
+        let short = Plan {
+            new_size: 3 * BS,
+            ..plan
+        };
+        let bytes = encode(&short, 3).unwrap();
+        assert!(decode(&bytes, 3 * BS).unwrap_err().contains("past the end"));
+    }
+}

@@ -1,0 +1,920 @@
+//! `vabc bundle`: the update as one signed file for shipping (`create`, `info`,
+//! `verify`), turned into device-form COWs on the device (`install`) or into the new
+//! images (`apply`). The format is in the `bundle` crate and docs/08-bundle.md.
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::{Context, Result, bail};
+use bundle::format::Trust;
+use bundle::sign::{PublicKey, SecretKey};
+use bundle::{BundleManifest, BundleReader, BundleWriter, CowParams, Partition, PayloadInfo};
+use cow::Compression;
+use delta::write::{CowOptions, write_cow};
+use delta::{BlockImage, ImageFile, PlanOptions};
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+
+use super::diff::Bar;
+use crate::checks::mismatch;
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(subcommand)]
+    cmd: Sub,
+}
+
+#[derive(clap::Subcommand)]
+enum Sub {
+    /// Make a bundle from old/new image pairs, one per partition.
+    Create(CreateArgs),
+    /// Print what a bundle holds (without checking its signature).
+    Info(InfoArgs),
+    /// Check a bundle's signature and every payload's hash.
+    Verify(VerifyArgs),
+    /// Turn a bundle into the device-form COWs (and their manifests), checking the
+    /// signature and each base before writing; resumable.
+    Install(InstallArgs),
+    /// Make the new images from a bundle and the old ones (sizes and sha256 checked).
+    Apply(ApplyArgs),
+}
+
+#[derive(clap::Args)]
+struct CreateArgs {
+    /// A partition's update: its name, old image and new image. Repeat for more
+    /// partitions (system, vendor, ...).
+    #[arg(
+        short = 'p',
+        long = "partition",
+        value_name = "NAME=OLD,NEW",
+        required = true
+    )]
+    partitions: Vec<String>,
+    /// Where to write the bundle.
+    #[arg(short = 'o', long = "output")]
+    output: PathBuf,
+    /// Sign with this Ed25519 private key (PEM, `openssl genpkey -algorithm ed25519`).
+    #[arg(long, value_name = "KEY.pem", required_unless_present = "unsigned")]
+    key: Option<PathBuf>,
+    /// Make an unsigned bundle (installing it then needs --allow-unsigned).
+    #[arg(long, conflicts_with = "key")]
+    unsigned: bool,
+    /// Codec of the COWs the device writes (as `vabc diff --compression`). lz4, the
+    /// codec Android devices decode at boot, by default: the device-form COW is laid
+    /// out for reading, its size costs no download.
+    #[arg(long, default_value = "lz4", value_name = "CODEC[:LEVEL]")]
+    cow_compression: String,
+    /// Largest REPLACE unit of the device's COWs.
+    #[arg(long, default_value = "64k", value_parser = crate::args::parse_size)]
+    cow_compression_factor: u64,
+    /// COW format version of the device's COWs (2 or 3).
+    #[arg(long, default_value_t = 3)]
+    cow_version: u16,
+    /// Ops ascending by block, the merge order as sequence data (see `vabc diff`).
+    #[arg(long)]
+    block_order: bool,
+    /// No XOR ops (see `vabc diff --no-xor`).
+    #[arg(long)]
+    no_xor: bool,
+    /// Store XORs in source runs shorter than this as REPLACE (see `vabc diff`).
+    #[arg(long, default_value_t = 0, value_name = "BLOCKS")]
+    min_xor_run: u64,
+    /// zstd level of the payloads' data streams (1-22).
+    #[arg(long, default_value_t = 19)]
+    level: i32,
+    /// Threads (0: one per CPU).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Print a JSON report on stdout.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(clap::Args)]
+struct InfoArgs {
+    /// The bundle (`-` for stdin).
+    bundle: PathBuf,
+    /// Print the manifest as JSON on stdout.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(clap::Args)]
+struct KeyArgs {
+    /// The public key bundles must be signed with (PEM, `openssl pkey -pubout`).
+    #[arg(
+        long,
+        value_name = "PUB.pem",
+        required_unless_present = "allow_unsigned"
+    )]
+    key: Option<PathBuf>,
+    /// Accept a bundle without checking any signature (only for bundles from a source
+    /// you trust).
+    #[arg(long, conflicts_with = "key")]
+    allow_unsigned: bool,
+}
+
+impl KeyArgs {
+    fn load(&self) -> Result<Option<PublicKey>> {
+        self.key
+            .as_deref()
+            .map(PublicKey::load)
+            .transpose()
+            .map_err(Into::into)
+    }
+}
+
+fn trust(key: &Option<PublicKey>) -> Trust<'_> {
+    match key {
+        Some(k) => Trust::Key(k),
+        None => Trust::Unchecked,
+    }
+}
+
+#[derive(clap::Args)]
+struct VerifyArgs {
+    /// The bundle (`-` for stdin).
+    bundle: PathBuf,
+    #[command(flatten)]
+    key: KeyArgs,
+    /// Print a JSON report on stdout.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(clap::Args)]
+struct InstallArgs {
+    /// The bundle (`-` for stdin).
+    bundle: PathBuf,
+    /// A partition's base image (the old image on the device). Every partition of the
+    /// bundle needs one.
+    #[arg(short = 'b', long = "base", value_name = "NAME=PATH", required = true)]
+    bases: Vec<String>,
+    /// Where to write NAME.cow and NAME.cow.manifest per partition.
+    #[arg(short = 'o', long = "out-dir", value_name = "DIR")]
+    out_dir: PathBuf,
+    #[command(flatten)]
+    key: KeyArgs,
+    /// Threads of the COW writer (0: one per CPU).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Print a JSON report on stdout.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(clap::Args)]
+struct ApplyArgs {
+    /// The bundle (`-` for stdin).
+    bundle: PathBuf,
+    /// A partition's old image. Every partition of the bundle needs one.
+    #[arg(short = 'b', long = "base", value_name = "NAME=PATH", required = true)]
+    bases: Vec<String>,
+    /// Where to write NAME.img per partition.
+    #[arg(short = 'o', long = "out-dir", value_name = "DIR")]
+    out_dir: PathBuf,
+    #[command(flatten)]
+    key: KeyArgs,
+    /// Threads of the COW writer (0: one per CPU).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Print a JSON report on stdout.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(a: Args) -> Result<ExitCode> {
+    match a.cmd {
+        Sub::Create(a) => create(a),
+        Sub::Info(a) => info(a),
+        Sub::Verify(a) => verify(a),
+        Sub::Install(a) => install(a).map(|_| ExitCode::SUCCESS),
+        Sub::Apply(a) => apply(a),
+    }
+}
+
+/// `NAME=REST`, with a name fit for a file name.
+fn split_name(s: &str, what: &str) -> Result<(String, String)> {
+    let Some((name, rest)) = s.split_once('=') else {
+        bail!("{what} {s:?}: expected NAME=...");
+    };
+    if name.is_empty()
+        || !name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+    {
+        bail!("{what} {s:?}: a partition name is letters, digits, '_' and '-'");
+    }
+    Ok((name.to_string(), rest.to_string()))
+}
+
+fn sha256_file(path: &Path) -> Result<(u64, String)> {
+    let mut f = File::open(path).with_context(|| format!("open {}", path.display()))?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut n = 0u64;
+    loop {
+        let got = f
+            .read(&mut buf)
+            .with_context(|| format!("read {} at offset {n}", path.display()))?;
+        if got == 0 {
+            return Ok((n, hex::encode(h.finalize())));
+        }
+        h.update(&buf[..got]);
+        n += got as u64;
+    }
+}
+
+#[derive(Serialize)]
+struct CreateReport {
+    schema_version: u32,
+    output: PathBuf,
+    size: u64,
+    signed: bool,
+    signer: Option<String>,
+    partitions: Vec<PartReport>,
+    seconds: f64,
+}
+
+#[derive(Serialize)]
+struct PartReport {
+    name: String,
+    base_size: u64,
+    new_size: u64,
+    payload_bytes: u64,
+    plan_bytes: u64,
+    data_bytes: u64,
+    cow_size: u64,
+    ops: u64,
+}
+
+fn part_report(p: &Partition) -> PartReport {
+    PartReport {
+        name: p.name.clone(),
+        base_size: p.image.base.size,
+        new_size: p.image.new.size,
+        payload_bytes: p.payload.length,
+        plan_bytes: p.payload.plan_length,
+        data_bytes: p.payload.data_bytes,
+        cow_size: p.cow.size,
+        ops: p.image.cow_ops,
+    }
+}
+
+fn create(a: CreateArgs) -> Result<ExitCode> {
+    let t0 = std::time::Instant::now();
+    let key = a.key.as_deref().map(SecretKey::load).transpose()?;
+    let compression: Compression = a
+        .cow_compression
+        .parse()
+        .with_context(|| format!("--cow-compression {}", a.cow_compression))?;
+    let factor = u32::try_from(a.cow_compression_factor)
+        .ok()
+        .filter(|f| f.is_power_of_two() && (4096..=256 << 10).contains(f))
+        .with_context(|| {
+            format!(
+                "--cow-compression-factor {}: a power of two from 4k to 256k",
+                a.cow_compression_factor
+            )
+        })?;
+    if !(2..=3).contains(&a.cow_version) {
+        bail!("--cow-version {}: 2 or 3", a.cow_version);
+    }
+    let mut parts = Vec::new();
+    for s in &a.partitions {
+        let (name, rest) = split_name(s, "--partition")?;
+        let Some((old, new)) = rest.split_once(',') else {
+            bail!("--partition {s:?}: expected NAME=OLD,NEW");
+        };
+        if parts
+            .iter()
+            .any(|(n, _, _): &(String, PathBuf, PathBuf)| *n == name)
+        {
+            bail!("--partition {name}: named twice");
+        }
+        parts.push((name, PathBuf::from(old), PathBuf::from(new)));
+    }
+    let mut writer = BundleWriter::new(&a.output)?;
+    let work = tempfile::Builder::new()
+        .prefix(".vabc-bundle.")
+        .tempdir_in(
+            a.output
+                .parent()
+                .filter(|p| !p.as_os_str().is_empty())
+                .unwrap_or(Path::new(".")),
+        )
+        .context("create a work folder beside the output")?;
+    let copts = CowOptions {
+        version: a.cow_version,
+        compression,
+        compression_factor: factor,
+        threads: a.threads,
+        block_order: a.block_order,
+    };
+    for (name, old_path, new_path) in &parts {
+        let part = create_partition(
+            &a,
+            &mut writer,
+            work.path(),
+            name,
+            old_path,
+            new_path,
+            &copts,
+        )
+        .with_context(|| format!("partition {name}"))?;
+        writer.add_partition(part)?;
+    }
+    crate::output::pending(&a.output);
+    let created_by = format!("vabc {}", env!("CARGO_PKG_VERSION"));
+    let manifest = writer.finish(key.as_ref(), &created_by)?;
+    crate::output::set_default_mode(&a.output)?;
+    let size = std::fs::metadata(&a.output)
+        .with_context(|| format!("stat {}", a.output.display()))?
+        .len();
+    let report = CreateReport {
+        schema_version: crate::SCHEMA_VERSION,
+        output: a.output.clone(),
+        size,
+        signed: key.is_some(),
+        signer: manifest.signer.clone(),
+        partitions: manifest.partitions.iter().map(part_report).collect(),
+        seconds: t0.elapsed().as_secs_f64(),
+    };
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        println!(
+            "{}: {size} bytes, {} partition(s), {} in {:.1} s",
+            a.output.display(),
+            manifest.partitions.len(),
+            match &manifest.signer {
+                Some(id) => format!("signed by key {id}"),
+                None => "unsigned".into(),
+            },
+            report.seconds
+        );
+        for p in &report.partitions {
+            println!(
+                "  {}: {} -> {} bytes, payload {} bytes (plan {}, data {} decoded), device COW {} bytes, {} ops",
+                p.name,
+                p.base_size,
+                p.new_size,
+                p.payload_bytes,
+                p.plan_bytes,
+                p.data_bytes,
+                p.cow_size,
+                p.ops
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn create_partition(
+    a: &CreateArgs,
+    writer: &mut BundleWriter,
+    work: &Path,
+    name: &str,
+    old_path: &Path,
+    new_path: &Path,
+    copts: &CowOptions,
+) -> Result<Partition> {
+    let old = ImageFile::open(old_path, false)?;
+    let new = ImageFile::open(new_path, false)?;
+    let bar = Bar::new();
+    let popts = PlanOptions {
+        xor: !a.no_xor,
+        threads: a.threads,
+        min_xor_run: a.min_xor_run,
+        ..PlanOptions::for_codec(copts.compression.codec)
+    };
+    let plan = delta::plan(&old, &new, &popts, &bar)?;
+    let plan_bytes = bundle::plan_wire::encode(&plan, a.level)
+        .with_context(|| format!("encode the plan of {name}"))?;
+    let out = writer.payload_file();
+    out.write_all(&(plan_bytes.len() as u64).to_le_bytes())
+        .and_then(|()| out.write_all(&plan_bytes))
+        .context("write the bundle's payload")?;
+    let threads = match a.threads {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
+    };
+    // The COW the device will write, written here first: its hash goes into the
+    // manifest, and its ops give the per-op hashes.
+    let cow_path = work.join(format!("{name}.cow"));
+    let sopts = bundle::data::StreamOptions {
+        level: a.level,
+        threads,
+    };
+    let (_, data_bytes) = bundle::data::record(&new, &old, &plan, out, &a.output, sopts, |rec| {
+        write_cow(&plan, &old, rec, &cow_path, copts, &bar)
+    })?;
+    let (cow_size, cow_sha) = sha256_file(&cow_path)?;
+    let id = |img: &ImageFile, path: &Path, size: u64| {
+        let read = |off: u64, buf: &mut [u8]| {
+            BlockImage::read_exact_at(img, buf, off).map_err(std::io::Error::other)
+        };
+        manifest::ImageId::compute(&read, path, size)
+    };
+    let written = cow::CowReader::open(&cow_path)?;
+    // The per-op hashes (16 hex digits per op: 2 MB on the `system` pair) are not
+    // shipped: the device computes them from the COW it wrote, whose sha256 the
+    // manifest fixes.
+    let image = manifest::Manifest {
+        schema_version: manifest::SCHEMA_VERSION,
+        base: id(&old, old_path, plan.old_size)?,
+        new: id(&new, new_path, plan.new_size)?,
+        cow_ops: written.ops().len() as u64,
+        merged_op_hashes: None,
+    };
+    let c = plan.census;
+    Ok(Partition {
+        name: name.to_string(),
+        image,
+        cow: CowParams {
+            version: copts.version,
+            compression: copts.compression.to_string(),
+            compression_factor: copts.compression_factor,
+            block_order: copts.block_order,
+            size: cow_size,
+            sha256: cow_sha,
+        },
+        plan: bundle::PlanCounts {
+            unchanged: c.unchanged,
+            copy: c.copy,
+            xor: c.xor,
+            zero: c.zero,
+            replace: c.replace,
+        },
+        payload: PayloadInfo {
+            offset: 0,
+            length: 0,
+            sha256: String::new(),
+            plan_length: 8 + plan_bytes.len() as u64,
+            data_bytes,
+        },
+    })
+}
+
+/// The bundle named on the command line, as a stream.
+fn open_input(path: &Path) -> Result<Box<dyn Read + Send>> {
+    if path == Path::new("-") {
+        return Ok(Box::new(std::io::stdin()));
+    }
+    let f = File::open(path).with_context(|| format!("cannot open bundle {}", path.display()))?;
+    Ok(Box::new(std::io::BufReader::with_capacity(1 << 20, f)))
+}
+
+fn info(a: InfoArgs) -> Result<ExitCode> {
+    let r = BundleReader::open(open_input(&a.bundle)?, &a.bundle, Trust::Unchecked)?;
+    let m = r.manifest();
+    if a.json {
+        #[derive(Serialize)]
+        struct Info<'a> {
+            schema_version: u32,
+            bundle: &'a Path,
+            format_version: u32,
+            signed: bool,
+            payload_bytes: u64,
+            manifest: &'a BundleManifest,
+        }
+        let out = Info {
+            schema_version: crate::SCHEMA_VERSION,
+            bundle: &a.bundle,
+            format_version: bundle::FORMAT_VERSION,
+            signed: r.is_signed(),
+            payload_bytes: m.payload_bytes(),
+            manifest: m,
+        };
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!(
+        "{}: vabc bundle version {}, made by {}, {} (signature not checked; `vabc bundle verify` checks it)",
+        a.bundle.display(),
+        bundle::FORMAT_VERSION,
+        m.created_by,
+        match (&m.signer, r.is_signed()) {
+            (Some(id), true) => format!("signed by key {id}"),
+            _ => "unsigned".into(),
+        }
+    );
+    for p in &m.partitions {
+        println!(
+            "  {}: base {} bytes (sha256 {}), new {} bytes (sha256 {})",
+            p.name, p.image.base.size, p.image.base.sha256, p.image.new.size, p.image.new.sha256
+        );
+        println!(
+            "    payload {} bytes; blocks: {} unchanged, {} copy, {} xor, {} zero, {} replace",
+            p.payload.length,
+            p.plan.unchanged,
+            p.plan.copy,
+            p.plan.xor,
+            p.plan.zero,
+            p.plan.replace
+        );
+        println!(
+            "    device COW: v{}, {}, {} KiB units, {} bytes, {} ops",
+            p.cow.version,
+            p.cow.compression,
+            p.cow.compression_factor >> 10,
+            p.cow.size,
+            p.image.cow_ops
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn verify(a: VerifyArgs) -> Result<ExitCode> {
+    let key = a.key.load()?;
+    let mut r = BundleReader::open(open_input(&a.bundle)?, &a.bundle, trust(&key))?;
+    let mut n = 0;
+    while let Some((_, stream)) = r.payload() {
+        stream.finish()?;
+        n += 1;
+    }
+    let signer = r.manifest().signer.clone();
+    if a.json {
+        let out = serde_json::json!({
+            "schema_version": crate::SCHEMA_VERSION,
+            "bundle": a.bundle,
+            "signature": if key.is_some() { "verified" } else { "not checked" },
+            "signer": signer,
+            "partitions": n,
+            "payload_bytes": r.manifest().payload_bytes(),
+        });
+        println!("{out:#}");
+    } else {
+        println!(
+            "{}: {} ({n} partition payloads hash as the manifest says)",
+            a.bundle.display(),
+            match &key {
+                Some(k) => format!("signature verified with key {}", k.id()),
+                None => "signature NOT checked (--allow-unsigned)".into(),
+            }
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// What install did per partition.
+#[derive(Serialize)]
+struct Installed {
+    name: String,
+    cow: PathBuf,
+    manifest: PathBuf,
+    cow_size: u64,
+    /// False when an earlier, interrupted install had already finished it.
+    written: bool,
+}
+
+/// Each partition's base, by name; every partition must have one.
+fn bases(specs: &[String], m: &BundleManifest) -> Result<Vec<PathBuf>> {
+    let mut named = Vec::new();
+    for s in specs {
+        let (name, path) = split_name(s, "--base")?;
+        if m.partition(&name).is_none() {
+            bail!(
+                "--base {name}: the bundle has no partition {name:?} (it has {})",
+                m.partitions
+                    .iter()
+                    .map(|p| p.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
+        named.push((name, PathBuf::from(path)));
+    }
+    m.partitions
+        .iter()
+        .map(|p| {
+            named
+                .iter()
+                .find(|(n, _)| *n == p.name)
+                .map(|(_, path)| path.clone())
+                .with_context(|| format!("no --base {}=PATH for the bundle's partition", p.name))
+        })
+        .collect()
+}
+
+fn install(a: InstallArgs) -> Result<Vec<Installed>> {
+    let key = a.key.load()?;
+    let done = install_into(&a.bundle, &a.bases, &a.out_dir, &key, a.threads)?;
+    if a.json {
+        let out = serde_json::json!({
+            "schema_version": crate::SCHEMA_VERSION,
+            "bundle": a.bundle,
+            "out_dir": a.out_dir,
+            "partitions": done,
+        });
+        println!("{out:#}");
+    } else {
+        for d in &done {
+            println!(
+                "{}: {} ({} bytes){}",
+                d.name,
+                d.cow.display(),
+                d.cow_size,
+                if d.written { "" } else { ", already installed" }
+            );
+        }
+    }
+    Ok(done)
+}
+
+fn install_into(
+    bundle_path: &Path,
+    base_specs: &[String],
+    out_dir: &Path,
+    key: &Option<PublicKey>,
+    threads: usize,
+) -> Result<Vec<Installed>> {
+    let mut r = BundleReader::open(open_input(bundle_path)?, bundle_path, trust(key))?;
+    let bases = bases(base_specs, r.manifest())?;
+    if !out_dir.is_dir() {
+        bail!("--out-dir {}: not a directory", out_dir.display());
+    }
+    // Every base before the first byte is written: a wrong one names its first wrong
+    // region, and nothing is written.
+    for (p, base) in r.manifest().partitions.iter().zip(&bases) {
+        check_base(p, base)?;
+    }
+    check_space(r.manifest(), out_dir)?;
+    let mut done = Vec::new();
+    let mut i = 0;
+    while let Some((part, mut stream)) = r.payload() {
+        let base = &bases[i];
+        i += 1;
+        let cow_path = out_dir.join(format!("{}.cow", part.name));
+        let manifest_path = manifest::Manifest::path_for(&cow_path);
+        // An earlier run that was interrupted after this partition: keep its COW.
+        if sha256_file(&cow_path).ok() == Some((part.cow.size, part.cow.sha256.clone())) {
+            stream.finish()?;
+            let sidecar = device_manifest(&part, &cow_path, base)?;
+            crate::output::write_atomic(&manifest_path, sidecar.to_json().as_bytes())?;
+            done.push(Installed {
+                name: part.name.clone(),
+                cow: cow_path,
+                manifest: manifest_path,
+                cow_size: part.cow.size,
+                written: false,
+            });
+            continue;
+        }
+        let mut len = [0u8; 8];
+        stream.read_exact(&mut len).with_context(|| {
+            format!("{}: read the plan of {}", bundle_path.display(), part.name)
+        })?;
+        let plan_len = u64::from_le_bytes(len);
+        if plan_len + 8 != part.payload.plan_length {
+            bail!(
+                "{}: offset {}: partition {}: plan of {plan_len} bytes, the manifest says {}",
+                bundle_path.display(),
+                stream.position() - 8,
+                part.name,
+                part.payload.plan_length.saturating_sub(8)
+            );
+        }
+        let mut plan_bytes = vec![0u8; plan_len as usize];
+        let at = stream.position();
+        stream.read_exact(&mut plan_bytes).with_context(|| {
+            format!(
+                "{}: offset {at}: read the plan of {}",
+                bundle_path.display(),
+                part.name
+            )
+        })?;
+        let plan = bundle::plan_wire::decode(&plan_bytes, part.image.new.size).map_err(|msg| {
+            anyhow::anyhow!(
+                "{}: offset {at}: partition {}: {msg}",
+                bundle_path.display(),
+                part.name
+            )
+        })?;
+        let old = ImageFile::open(base, false)?;
+        let copts = CowOptions {
+            version: part.cow.version,
+            compression: part.cow.compression.parse().with_context(|| {
+                format!("partition {}: codec {:?}", part.name, part.cow.compression)
+            })?,
+            compression_factor: part.cow.compression_factor,
+            threads,
+            block_order: part.cow.block_order,
+        };
+        // Written under a temporary name and renamed only once its hash and the
+        // payload's are right.
+        let tmp_cow = out_dir.join(format!(".{}.cow.installing", part.name));
+        remove_stale(out_dir, &tmp_cow)?;
+        crate::output::pending(&tmp_cow);
+        let pos = stream.position();
+        let replayer = bundle::data::Replayer::new(
+            &old,
+            &plan,
+            &mut stream,
+            pos,
+            bundle_path,
+            part.image.new.size,
+        )
+        .context("start the data stream")?;
+        let written = write_cow(&plan, &old, &replayer, &tmp_cow, &copts, &Bar::new());
+        let rest = replayer.finish().map(drop);
+        let result = written
+            .map_err(anyhow::Error::from)
+            .and_then(|_| rest.map_err(|m| anyhow::anyhow!("{}: {m}", bundle_path.display())))
+            .and_then(|_| stream.finish().map_err(anyhow::Error::from))
+            .and_then(|()| sha256_file(&tmp_cow))
+            .and_then(|got| {
+                if got != (part.cow.size, part.cow.sha256.clone()) {
+                    bail!(
+                        "partition {}: the COW written from the bundle is {} bytes with sha256 {}, \
+                         the manifest says {} bytes with sha256 {} (a vabc of another version?)",
+                        part.name,
+                        got.0,
+                        got.1,
+                        part.cow.size,
+                        part.cow.sha256
+                    );
+                }
+                Ok(())
+            });
+        if let Err(e) = result {
+            let _ = std::fs::remove_file(&tmp_cow);
+            return Err(e.context(format!("install partition {} (nothing kept)", part.name)));
+        }
+        let sidecar = device_manifest(&part, &tmp_cow, base)?;
+        crate::output::write_atomic(&manifest_path, sidecar.to_json().as_bytes())?;
+        std::fs::rename(&tmp_cow, &cow_path)
+            .with_context(|| format!("rename {} to {}", tmp_cow.display(), cow_path.display()))?;
+        crate::output::set_default_mode(&cow_path)?;
+        if let Ok(d) = File::open(out_dir) {
+            let _ = d.sync_all();
+        }
+        done.push(Installed {
+            name: part.name.clone(),
+            cow: cow_path,
+            manifest: manifest_path,
+            cow_size: part.cow.size,
+            written: true,
+        });
+    }
+    Ok(done)
+}
+
+/// The manifest `vabc diff` would have written beside the COW: the bundle's, with the
+/// per-op hashes of the new image computed from the COW (checked against the manifest's
+/// sha256) over the base.
+fn device_manifest(p: &Partition, cow_path: &Path, base: &Path) -> Result<manifest::Manifest> {
+    let cow = cow::CowReader::open(cow_path)?;
+    let file = File::open(base).with_context(|| format!("cannot open base {}", base.display()))?;
+    let view = cow::SnapshotView::new(&cow, &file, base, Some(p.image.new.size))?;
+    let read = |off: u64, buf: &mut [u8]| {
+        view.read_blocks(off / cow::BLOCK_SIZE as u64, buf)
+            .map_err(std::io::Error::other)
+    };
+    Ok(manifest::Manifest {
+        merged_op_hashes: Some(crate::checks::op_hashes(&cow, &read, cow_path)?),
+        ..p.image.clone()
+    })
+}
+
+/// What an install killed while writing `tmp` left: `tmp` itself and the COW writer's
+/// temporary files beside it (`.NAME.*.tmp`, NAME being `tmp`'s file name).
+fn remove_stale(dir: &Path, tmp: &Path) -> Result<()> {
+    let Some(name) = tmp.file_name().map(|n| n.to_string_lossy().into_owned()) else {
+        return Ok(());
+    };
+    let writer_temp = format!(".{name}.");
+    for e in std::fs::read_dir(dir).with_context(|| format!("list {}", dir.display()))? {
+        let e = e.with_context(|| format!("list {}", dir.display()))?;
+        let f = e.file_name().to_string_lossy().into_owned();
+        if f == name || (f.starts_with(&writer_temp) && f.ends_with(".tmp")) {
+            std::fs::remove_file(e.path())
+                .with_context(|| format!("remove the stale {}", e.path().display()))?;
+        }
+    }
+    Ok(())
+}
+
+fn check_base(p: &Partition, base: &Path) -> Result<()> {
+    let f = File::open(base).with_context(|| format!("cannot open base {}", base.display()))?;
+    let size = cow::view::file_size(&f, base)?;
+    let found = p
+        .image
+        .base
+        .first_mismatch(&f, base, size, |_| true)
+        .with_context(|| format!("check the base {}", base.display()))?;
+    if let Some(m) = found {
+        mismatch!(
+            "{} is not the base partition {} of this bundle was made for: {m}; nothing was written",
+            base.display(),
+            p.name
+        );
+    }
+    Ok(())
+}
+
+/// The COWs that still have to be written must fit in `dir`'s file system.
+fn check_space(m: &BundleManifest, dir: &Path) -> Result<()> {
+    let need: u64 = m
+        .partitions
+        .iter()
+        .filter(|p| {
+            let cow = dir.join(format!("{}.cow", p.name));
+            std::fs::metadata(cow).map(|md| md.len()).ok() != Some(p.cow.size)
+        })
+        .map(|p| p.cow.size)
+        .sum();
+    let free = free_bytes(dir)?;
+    if free < need {
+        bail!(
+            "{}: {free} bytes free, the bundle's COWs need {need}; nothing was written",
+            dir.display()
+        );
+    }
+    Ok(())
+}
+
+fn free_bytes(dir: &Path) -> Result<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes())
+        .with_context(|| format!("{}: path contains a NUL byte", dir.display()))?;
+    // SAFETY: statvfs writes only into `st`, which lives across the call; `c` is a
+    // NUL-terminated path.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return Err(std::io::Error::last_os_error())
+            .with_context(|| format!("statvfs {}", dir.display()));
+    }
+    Ok(st.f_bavail as u64 * st.f_frsize as u64)
+}
+
+fn apply(a: ApplyArgs) -> Result<ExitCode> {
+    let key = a.key.load()?;
+    if !a.out_dir.is_dir() {
+        bail!("--out-dir {}: not a directory", a.out_dir.display());
+    }
+    let work = tempfile::Builder::new()
+        .prefix(".vabc-bundle-apply.")
+        .tempdir_in(&a.out_dir)
+        .with_context(|| format!("create a work folder in {}", a.out_dir.display()))?;
+    let done = install_into(&a.bundle, &a.bases, work.path(), &key, a.threads)?;
+    let mut outputs = Vec::new();
+    for d in &done {
+        let base_spec = a
+            .bases
+            .iter()
+            .find_map(|s| split_name(s, "--base").ok().filter(|(n, _)| *n == d.name))
+            .map(|(_, p)| PathBuf::from(p))
+            .with_context(|| format!("no --base for {}", d.name))?;
+        let m = manifest::Manifest::load(&d.manifest)?;
+        let cow = cow::CowReader::open(&d.cow)?;
+        let base = File::open(&base_spec)
+            .with_context(|| format!("cannot open base {}", base_spec.display()))?;
+        let view = cow::SnapshotView::new(&cow, &base, &base_spec, Some(m.new.size))?;
+        let out = a.out_dir.join(format!("{}.img", d.name));
+        let tmp = crate::output::temp_beside(&out)?;
+        tmp.as_file()
+            .set_len(m.new.size)
+            .with_context(|| format!("cannot size {}", tmp.path().display()))?;
+        view.write_to(tmp.as_file(), tmp.path(), true, &|_| {})?;
+        if let Some(found) = m
+            .new
+            .first_mismatch(tmp.as_file(), tmp.path(), m.new.size, |_| true)?
+        {
+            mismatch!(
+                "partition {}: the image made from the bundle is not the new image: {found}; \
+                 nothing was written",
+                d.name
+            );
+        }
+        crate::output::commit(tmp, &out)?;
+        outputs.push(serde_json::json!({
+            "name": d.name,
+            "image": out,
+            "size": m.new.size,
+            "sha256": m.new.sha256,
+        }));
+    }
+    if a.json {
+        let out = serde_json::json!({
+            "schema_version": crate::SCHEMA_VERSION,
+            "bundle": a.bundle,
+            "partitions": outputs,
+        });
+        println!("{out:#}");
+    } else {
+        for o in &outputs {
+            println!(
+                "{}: {} ({} bytes, sha256 {})",
+                o["name"].as_str().unwrap_or_default(),
+                o["image"].as_str().unwrap_or_default(),
+                o["size"],
+                o["sha256"].as_str().unwrap_or_default()
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

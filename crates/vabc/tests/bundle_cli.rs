@@ -1,0 +1,388 @@
+//! `vabc bundle`: a signed bundle round-trips into the COWs `vabc diff` writes (which
+//! serve and merge to the new images) and into the new images; a changed byte, another
+//! key, a wrong base, a truncated bundle or an unknown version is refused before
+//! anything is written; an install killed at any point resumes to the exact COWs.
+
+mod serve_common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use serve_common::{corpus_image, run_vabc, sha256_file, vabc, vectors};
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+fn ok(args: &[&str]) -> std::process::Output {
+    let o = run_vabc(args);
+    assert!(
+        o.status.success(),
+        "vabc {args:?}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    o
+}
+
+/// An Ed25519 key pair made the documented way.
+fn keys(dir: &Path, name: &str) -> (PathBuf, PathBuf) {
+    let key = dir.join(format!("{name}.pem"));
+    let public = dir.join(format!("{name}.pub.pem"));
+    let run = |args: &[&str]| {
+        let st = Command::new("openssl").args(args).status().unwrap();
+        assert!(st.success(), "openssl {args:?}");
+    };
+    run(&["genpkey", "-algorithm", "ed25519", "-out", s(&key)]);
+    run(&["pkey", "-in", s(&key), "-pubout", "-out", s(&public)]);
+    (key, public)
+}
+
+fn entries(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
+/// The tiny corpus pair as two partitions (ext4 and EROFS images of the same files).
+fn tiny_parts() -> [(&'static str, PathBuf, PathBuf); 2] {
+    [
+        (
+            "system",
+            corpus_image("tiny", "old", "ext4"),
+            corpus_image("tiny", "new", "ext4"),
+        ),
+        (
+            "vendor",
+            corpus_image("tiny", "old", "erofs"),
+            corpus_image("tiny", "new", "erofs"),
+        ),
+    ]
+}
+
+fn create(parts: &[(&str, PathBuf, PathBuf)], out: &Path, key: Option<&Path>) {
+    let specs: Vec<String> = parts
+        .iter()
+        .map(|(n, o, w)| format!("{n}={},{}", o.display(), w.display()))
+        .collect();
+    let mut args = vec!["bundle", "create", "-o", s(out)];
+    for p in &specs {
+        args.extend(["-p", p]);
+    }
+    match key {
+        Some(k) => args.extend(["--key", s(k)]),
+        None => args.push("--unsigned"),
+    }
+    ok(&args);
+}
+
+fn base_args(parts: &[(&str, PathBuf, PathBuf)]) -> Vec<String> {
+    parts
+        .iter()
+        .flat_map(|(n, o, _)| ["-b".to_string(), format!("{n}={}", o.display())])
+        .collect()
+}
+
+#[test]
+fn a_bundle_installs_to_the_cows_diff_writes_and_applies_to_the_new_images() {
+    let d = tempfile::tempdir().unwrap();
+    let (key, public) = keys(d.path(), "k");
+    let parts = tiny_parts();
+    let bundle = d.path().join("u.vabc");
+    create(&parts, &bundle, Some(&key));
+
+    let v: serde_json::Value =
+        serde_json::from_slice(&ok(&["bundle", "info", s(&bundle), "--json"]).stdout).unwrap();
+    assert_eq!(v["signed"], true);
+    assert_eq!(v["manifest"]["partitions"].as_array().unwrap().len(), 2);
+    let v: serde_json::Value = serde_json::from_slice(
+        &ok(&[
+            "bundle",
+            "verify",
+            s(&bundle),
+            "--key",
+            s(&public),
+            "--json",
+        ])
+        .stdout,
+    )
+    .unwrap();
+    assert_eq!(v["signature"], "verified");
+
+    // Smaller than the COWs it makes: no scratch area, one stream per frame.
+    let bundle_size = std::fs::metadata(&bundle).unwrap().len();
+    let out = d.path().join("cows");
+    std::fs::create_dir(&out).unwrap();
+    let bases = base_args(&parts);
+    let mut args = vec![
+        "bundle",
+        "install",
+        s(&bundle),
+        "-o",
+        s(&out),
+        "--key",
+        s(&public),
+    ];
+    args.extend(bases.iter().map(String::as_str));
+    ok(&args);
+    let mut cow_total = 0;
+    for (name, old, new) in &parts {
+        // The same COW and manifest as `vabc diff` with the bundle's device options.
+        let reference = d.path().join(format!("{name}.ref.cow"));
+        ok(&[
+            "diff",
+            s(old),
+            s(new),
+            "-o",
+            s(&reference),
+            "--compression",
+            "lz4",
+            "--compression-factor",
+            "64k",
+        ]);
+        let cow = out.join(format!("{name}.cow"));
+        assert_eq!(
+            std::fs::read(&cow).unwrap(),
+            std::fs::read(&reference).unwrap(),
+            "{name}"
+        );
+        assert_eq!(
+            std::fs::read(out.join(format!("{name}.cow.manifest"))).unwrap(),
+            std::fs::read(d.path().join(format!("{name}.ref.cow.manifest"))).unwrap(),
+            "{name}: manifest"
+        );
+        cow_total += std::fs::metadata(&cow).unwrap().len();
+        // The installed COW merges into (a copy of) the base to the new image.
+        let merged = d.path().join(format!("{name}.merged.img"));
+        std::fs::copy(old, &merged).unwrap();
+        ok(&["merge", "--base", s(&merged), "--cow", s(&cow)]);
+        // The partition keeps its size; the image is its first bytes (the EROFS
+        // pair's new image is smaller).
+        let new_len = std::fs::metadata(new).unwrap().len();
+        let f = std::fs::OpenOptions::new().write(true).open(&merged).unwrap();
+        f.set_len(new_len).unwrap();
+        assert_eq!(sha256_file(&merged), sha256_file(new), "{name}: merged");
+    }
+    assert!(
+        bundle_size * 4 < cow_total,
+        "{bundle_size} vs COWs {cow_total}"
+    );
+
+    // apply: the new images, from stdin.
+    let imgs = d.path().join("imgs");
+    std::fs::create_dir(&imgs).unwrap();
+    let mut cmd = Command::new(vabc());
+    cmd.args([
+        "bundle",
+        "apply",
+        "-",
+        "-o",
+        s(&imgs),
+        "--key",
+        s(&public),
+        "--json",
+    ])
+    .args(&bases)
+    .stdin(std::fs::File::open(&bundle).unwrap());
+    let o = cmd.output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["schema_version"], 1);
+    for (name, _, new) in &parts {
+        let img = imgs.join(format!("{name}.img"));
+        assert_eq!(sha256_file(&img), sha256_file(new), "{name}");
+        assert_eq!(
+            std::fs::metadata(&img).unwrap().len(),
+            std::fs::metadata(new).unwrap().len()
+        );
+    }
+    assert_eq!(entries(&imgs), ["system.img", "vendor.img"]);
+}
+
+/// A small bundle of AOSP's vector images (4 MiB), for the checks that need many runs.
+fn small_bundle(dir: &Path, key: Option<&Path>) -> PathBuf {
+    let b = dir.join(format!("v{}.vabc", key.is_some()));
+    create(
+        &[(
+            "system",
+            vectors().join("base.img"),
+            vectors().join("expected.img"),
+        )],
+        &b,
+        key,
+    );
+    b
+}
+
+fn install_code(
+    bundle: &Path,
+    base: &Path,
+    out: &Path,
+    key: Option<&Path>,
+) -> (Option<i32>, String) {
+    let b = format!("system={}", base.display());
+    let mut args = vec!["bundle", "install", s(bundle), "-b", &b, "-o", s(out)];
+    match key {
+        Some(k) => args.extend(["--key", s(k)]),
+        None => args.push("--allow-unsigned"),
+    }
+    let o = run_vabc(&args);
+    (
+        o.status.code(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn a_changed_byte_or_another_key_is_refused_before_anything_is_written() {
+    let d = tempfile::tempdir().unwrap();
+    let (key, public) = keys(d.path(), "k");
+    let (_, other) = keys(d.path(), "other");
+    let bundle = small_bundle(d.path(), Some(&key));
+    let base = vectors().join("base.img");
+    let out = d.path().join("out");
+    std::fs::create_dir(&out).unwrap();
+    let good = std::fs::read(&bundle).unwrap();
+
+    let (c, e) = install_code(&bundle, &base, &out, Some(&other));
+    assert_eq!(c, Some(1), "{e}");
+    assert!(e.contains("does not verify"), "{e}");
+    assert!(entries(&out).is_empty());
+
+    // One flipped byte anywhere: the header, the manifest, the signature, the payload
+    // (its start, middle and last byte), and a few random places.
+    let mut at = vec![0, 9, 17, 40, 200, good.len() / 2, good.len() - 1];
+    let mut rng = fastrand::Rng::with_seed(7);
+    at.extend((0..6).map(|_| rng.usize(..good.len())));
+    let bad = d.path().join("bad.vabc");
+    for i in at {
+        let mut b = good.clone();
+        b[i] ^= 0x20;
+        std::fs::write(&bad, &b).unwrap();
+        let (c, e) = install_code(&bad, &base, &out, Some(&public));
+        assert_ne!(c, Some(0), "byte {i} flipped: installed");
+        assert!(
+            entries(&out).is_empty(),
+            "byte {i} flipped: {:?}",
+            entries(&out)
+        );
+        let o = run_vabc(&["bundle", "verify", s(&bad), "--key", s(&public)]);
+        assert!(!o.status.success(), "byte {i} flipped: verified");
+        let _ = e;
+    }
+
+    // Unsigned: only with --allow-unsigned.
+    let unsigned = small_bundle(d.path(), None);
+    let (c, e) = install_code(&unsigned, &base, &out, Some(&public));
+    assert_eq!(c, Some(1), "{e}");
+    assert!(e.contains("not signed"), "{e}");
+    assert!(entries(&out).is_empty());
+    let (c, e) = install_code(&unsigned, &base, &out, None);
+    assert_eq!(c, Some(0), "{e}");
+    assert_eq!(entries(&out), ["system.cow", "system.cow.manifest"]);
+}
+
+#[test]
+fn wrong_base_truncation_and_unknown_versions_are_clear_errors() {
+    let d = tempfile::tempdir().unwrap();
+    let (key, public) = keys(d.path(), "k");
+    let bundle = small_bundle(d.path(), Some(&key));
+    let out = d.path().join("out");
+    std::fs::create_dir(&out).unwrap();
+
+    // The new image is not the base: exit 3, the first wrong region named.
+    let (c, e) = install_code(
+        &bundle,
+        &vectors().join("expected.img"),
+        &out,
+        Some(&public),
+    );
+    assert_eq!(c, Some(3), "{e}");
+    assert!(
+        e.contains("region") && e.contains("nothing was written"),
+        "{e}"
+    );
+    assert!(entries(&out).is_empty());
+
+    let good = std::fs::read(&bundle).unwrap();
+    let bad = d.path().join("bad.vabc");
+    for cut in [10, 100, good.len() - 1000, good.len() - 1] {
+        std::fs::write(&bad, &good[..cut]).unwrap();
+        let (c, e) = install_code(&bad, &vectors().join("base.img"), &out, Some(&public));
+        assert_eq!(c, Some(1), "cut at {cut}: {e}");
+        assert!(
+            e.contains("truncated") || e.contains("ends early"),
+            "cut at {cut}: {e}"
+        );
+        assert!(entries(&out).is_empty());
+    }
+    let mut b = good.clone();
+    b[8] = 2;
+    std::fs::write(&bad, &b).unwrap();
+    let o = run_vabc(&["bundle", "info", s(&bad)]);
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(e.contains("bundle format version 2"), "{e}");
+}
+
+#[test]
+fn an_install_killed_at_any_point_resumes_to_the_exact_cows() {
+    let d = tempfile::tempdir().unwrap();
+    let (key, public) = keys(d.path(), "k");
+    let parts = tiny_parts();
+    let bundle = d.path().join("u.vabc");
+    create(&parts, &bundle, Some(&key));
+    let bases = base_args(&parts);
+    let want = d.path().join("want");
+    std::fs::create_dir(&want).unwrap();
+    let install = |out: &Path| {
+        let mut c = Command::new(vabc());
+        c.args([
+            "bundle",
+            "install",
+            s(&bundle),
+            "-o",
+            s(out),
+            "--key",
+            s(&public),
+        ])
+        .args(&bases)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+        c
+    };
+    assert!(install(&want).status().unwrap().success());
+    let mut rng = fastrand::Rng::with_seed(11);
+    for round in 0..6 {
+        let out = d.path().join(format!("out{round}"));
+        std::fs::create_dir(&out).unwrap();
+        let mut child = install(&out).spawn().unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(rng.u64(0..400)));
+        let _ = child.kill();
+        let _ = child.wait();
+        // Whatever is there is either complete or a temporary file to be redone.
+        let o = install(&out).output().unwrap();
+        assert!(o.status.success(), "round {round}");
+        assert_eq!(
+            entries(&out),
+            [
+                "system.cow",
+                "system.cow.manifest",
+                "vendor.cow",
+                "vendor.cow.manifest"
+            ],
+            "round {round}: leftovers"
+        );
+        for name in ["system", "vendor"] {
+            for f in [format!("{name}.cow"), format!("{name}.cow.manifest")] {
+                assert_eq!(
+                    std::fs::read(out.join(&f)).unwrap(),
+                    std::fs::read(want.join(&f)).unwrap(),
+                    "round {round}: {f}"
+                );
+            }
+        }
+    }
+}
