@@ -161,7 +161,10 @@ fn a_bundle_installs_to_the_cows_diff_writes_and_applies_to_the_new_images() {
         // The partition keeps its size; the image is its first bytes (the EROFS
         // pair's new image is smaller).
         let new_len = std::fs::metadata(new).unwrap().len();
-        let f = std::fs::OpenOptions::new().write(true).open(&merged).unwrap();
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&merged)
+            .unwrap();
         f.set_len(new_len).unwrap();
         assert_eq!(sha256_file(&merged), sha256_file(new), "{name}: merged");
     }

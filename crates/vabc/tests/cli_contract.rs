@@ -150,6 +150,64 @@ fn every_json_report_parses_and_carries_its_schema_version() {
     assert_eq!(v["descriptors"][0]["partition_name"], "system");
     let v = json(&["avb", "info", s(&img), "--json"]);
     has(&v, &["image_size", "footer", "descriptors"]);
+
+    // The bundle commands (unsigned here; bundle_cli.rs covers keys).
+    let bundle = d.path().join("u.vabc");
+    let part = format!("system={},{}", s(&base), s(&expected));
+    let v = json(&[
+        "bundle",
+        "create",
+        "-p",
+        &part,
+        "-o",
+        s(&bundle),
+        "--unsigned",
+        "--json",
+    ]);
+    has(&v, &["output", "size", "signed", "partitions"]);
+    let v = json(&["bundle", "info", s(&bundle), "--json"]);
+    has(
+        &v,
+        &["format_version", "signed", "payload_bytes", "manifest"],
+    );
+    let v = json(&["bundle", "verify", s(&bundle), "--allow-unsigned", "--json"]);
+    has(&v, &["signature", "partitions", "payload_bytes"]);
+    let b = format!("system={}", s(&base));
+    let v = json(&[
+        "bundle",
+        "plan",
+        s(&bundle),
+        "-b",
+        &b,
+        "--allow-unsigned",
+        "--json",
+    ]);
+    has(
+        &v,
+        &[
+            "bases_ok",
+            "download_bytes",
+            "cow_bytes",
+            "install_seconds",
+            "merge_seconds",
+        ],
+    );
+    let out = d.path().join("bundle-out");
+    std::fs::create_dir(&out).unwrap();
+    for cmd in ["install", "apply"] {
+        let v = json(&[
+            "bundle",
+            cmd,
+            s(&bundle),
+            "-b",
+            &b,
+            "-o",
+            s(&out),
+            "--allow-unsigned",
+            "--json",
+        ]);
+        has(&v, &["bundle", "partitions"]);
+    }
 }
 
 #[test]

@@ -34,6 +34,9 @@ enum Sub {
     Info(InfoArgs),
     /// Check a bundle's signature and every payload's hash.
     Verify(VerifyArgs),
+    /// Pre-flight report against the device's bases: right base?, download size, COW
+    /// space, merge I/O, estimated install and merge time.
+    Plan(PlanArgs),
     /// Turn a bundle into the device-form COWs (and their manifests), checking the
     /// signature and each base before writing; resumable.
     Install(InstallArgs),
@@ -145,6 +148,24 @@ struct VerifyArgs {
 }
 
 #[derive(clap::Args)]
+struct PlanArgs {
+    /// The bundle (`-` for stdin; only its manifest is read).
+    bundle: PathBuf,
+    /// A partition's base image. Every partition of the bundle needs one.
+    #[arg(short = 'b', long = "base", value_name = "NAME=PATH", required = true)]
+    bases: Vec<String>,
+    #[command(flatten)]
+    key: KeyArgs,
+    /// The device's storage speed in MB/s for the estimates; default: measured while
+    /// the bases are read to check them.
+    #[arg(long, value_name = "MB/S")]
+    speed: Option<f64>,
+    /// Print a JSON report on stdout.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(clap::Args)]
 struct InstallArgs {
     /// The bundle (`-` for stdin).
     bundle: PathBuf,
@@ -190,6 +211,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
         Sub::Create(a) => create(a),
         Sub::Info(a) => info(a),
         Sub::Verify(a) => verify(a),
+        Sub::Plan(a) => plan(a),
         Sub::Install(a) => install(a).map(|_| ExitCode::SUCCESS),
         Sub::Apply(a) => apply(a),
     }
@@ -555,6 +577,107 @@ fn verify(a: VerifyArgs) -> Result<ExitCode> {
                 None => "signature NOT checked (--allow-unsigned)".into(),
             }
         );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+#[derive(Serialize)]
+struct PlanPart {
+    name: String,
+    /// Whether the base is the one the bundle was made for.
+    base_ok: bool,
+    /// The first difference when it is not.
+    base_mismatch: Option<String>,
+    download_bytes: u64,
+    cow_bytes: u64,
+    /// Bytes the merge writes into the base (every changed block) and reads (COPY and
+    /// XOR sources, and the COW).
+    merge_write_bytes: u64,
+    merge_read_bytes: u64,
+}
+
+fn plan(a: PlanArgs) -> Result<ExitCode> {
+    let key = a.key.load()?;
+    let r = BundleReader::open(open_input(&a.bundle)?, &a.bundle, trust(&key))?;
+    let m = r.manifest();
+    let bases = bases(&a.bases, m)?;
+    let t = std::time::Instant::now();
+    let mut read = 0u64;
+    let mut parts = Vec::new();
+    for (p, base) in m.partitions.iter().zip(&bases) {
+        let f = File::open(base).with_context(|| format!("cannot open base {}", base.display()))?;
+        let size = cow::view::file_size(&f, base)?;
+        let found = p
+            .image
+            .base
+            .first_mismatch(&f, base, size, |_| true)
+            .with_context(|| format!("check the base {}", base.display()))?;
+        read += size.min(p.image.base.size);
+        let bs = cow::BLOCK_SIZE as u64;
+        let c = &p.plan;
+        parts.push(PlanPart {
+            name: p.name.clone(),
+            base_ok: found.is_none(),
+            base_mismatch: found.map(|m| m.to_string()),
+            download_bytes: p.payload.length,
+            cow_bytes: p.cow.size,
+            merge_write_bytes: (c.copy + c.xor + c.zero + c.replace) * bs,
+            merge_read_bytes: (c.copy + c.xor) * bs + p.cow.size,
+        });
+    }
+    let measured = read as f64 / t.elapsed().as_secs_f64().max(1e-6) / 1e6;
+    let speed = a.speed.unwrap_or(measured);
+    let sum = |f: fn(&PlanPart) -> u64| parts.iter().map(f).sum::<u64>();
+    let download = sum(|p| p.download_bytes) + r.payload_start();
+    let cow = sum(|p| p.cow_bytes);
+    let merge_io = sum(|p| p.merge_write_bytes + p.merge_read_bytes);
+    // Install: read every base once (the check), write the COWs; merge: its reads and
+    // writes (flushes and seeks not counted: a lower bound).
+    let install_s = (read + cow) as f64 / 1e6 / speed;
+    let merge_s = merge_io as f64 / 1e6 / speed;
+    let all_ok = parts.iter().all(|p| p.base_ok);
+    if a.json {
+        let out = serde_json::json!({
+            "schema_version": crate::SCHEMA_VERSION,
+            "bundle": a.bundle,
+            "bases_ok": all_ok,
+            "download_bytes": download,
+            "cow_bytes": cow,
+            "merge_io_bytes": merge_io,
+            "speed_mb_s": speed,
+            "speed_measured": a.speed.is_none(),
+            "install_seconds": install_s,
+            "merge_seconds": merge_s,
+            "partitions": parts,
+        });
+        println!("{out:#}");
+    } else {
+        for p in &parts {
+            println!(
+                "{}: base {}; download {} bytes, COW {} bytes, merge writes {} and reads {} bytes",
+                p.name,
+                match &p.base_mismatch {
+                    None => "ok".to_string(),
+                    Some(m) => format!("WRONG ({m})"),
+                },
+                p.download_bytes,
+                p.cow_bytes,
+                p.merge_write_bytes,
+                p.merge_read_bytes
+            );
+        }
+        println!(
+            "total: download {download} bytes, COW space {cow} bytes; at {speed:.0} MB/s ({}): \
+             install ~{install_s:.1} s, merge ~{merge_s:.1} s (lower bounds)",
+            if a.speed.is_none() {
+                "measured reading the bases"
+            } else {
+                "stated"
+            }
+        );
+    }
+    if !all_ok {
+        mismatch!("a base is not the one the bundle was made for (see above)");
     }
     Ok(ExitCode::SUCCESS)
 }
