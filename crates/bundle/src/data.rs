@@ -11,20 +11,23 @@
 //! checks it.
 //!
 //! Each frame is one zstd frame whose *prefix* (`ZSTD_refPrefix`: bytes both sides have
-//! and that are never stored) is, per block, the old image's block the plan pairs it
-//! with: the XOR source, or for a REPLACE the block at the same place in the old image.
-//! zstd then finds what a block shares with its source at any byte offset and length,
-//! where an XOR only helps for bytes at the same position. Measured on the corpus
-//! `small` ext4 pair (899 data blocks): one XOR stream 85.6 KB, frames of 1024 blocks
-//! against their sources 35.5 KB (xdelta3 -9: 58 KB, `zstd -19 --long=31
-//! --patch-from`: 46 KB); three blocks of context around each source, or frames of 64
-//! or 256 blocks, did no better. Frames are compressed on several threads and decoded
-//! one at a time: a decoder holds one frame and its prefix (8 MiB) at once.
+//! and that are never stored) is made of the old image around each block's *context*:
+//! its XOR source; for a REPLACE, the source the planner gave up (`Plan::hints`), the
+//! continuation of the changed blocks before it, or the same place. zstd then finds
+//! what a block shares with the old image at any byte offset and length, where an XOR
+//! only helps for bytes at the same position. Measured on the corpus ext4 pairs
+//! (`examples/framing.rs`, `examples/windows.rs`): on `small` one XOR stream took
+//! 85.6 KB, frames against the sources alone 35.5 KB (xdelta3 -9: 58 KB, `zstd -19
+//! --long=31 --patch-from`: 46 KB); on `medium` the contexts alone left 76 KB, and
+//! windows of 16 KiB around them 8.6 KB (xdelta3: 10.8 KB), since a changed file's
+//! blocks sit a few KiB from where their op's source says. Frames are compressed on
+//! several threads and decoded one at a time: a decoder holds one frame (4 MiB) and
+//! its prefix (at most 36 MiB).
 //!
-//! A frame is stored as: `u32` count of blocks, `u32` length of the block list, the
-//! block list (postcard: the first destination block, then the gaps), `u32` length of
-//! the zstd frame, the zstd frame. The block list lets the device build the prefix
-//! before decoding and check that the writer asks for exactly those blocks.
+//! A frame is stored as the `u32` length of its zstd frame, then the zstd frame. Which
+//! blocks it holds follows from the plan ([`data_order`]): both sides compute the
+//! order, the device builds each frame's prefix from it before decoding, and both check
+//! that the writer reads exactly that order.
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
@@ -36,10 +39,49 @@ use delta::{BlockImage, BlockOp, DeltaError, Plan};
 
 /// Blocks per frame.
 pub const FRAME_BLOCKS: usize = 1024;
-/// log2 of a frame's window: its prefix and content (4 MiB each) and some room.
-const WINDOW_LOG: u32 = 24;
+/// log2 of a frame's window: its prefix (at most 1024 × 36 KiB) and content (4 MiB).
+const WINDOW_LOG: u32 = 26;
 
 const BS: usize = delta::BLOCK_SIZE;
+
+/// How far back [`replace_context`] looks for a block with a source to continue.
+const CONTINUE_BLOCKS: u64 = 64;
+
+/// Old bytes on each side of a block's context that go into its frame's prefix: a
+/// block's content often sits a few KiB away from where its op's source says (a line
+/// inserted earlier in the file). `medium` ext4 pair, frames of 1024 blocks: margin 0
+/// 76.0 KB, 16 KiB 8.6 KB (xdelta3 -9: 10.8 KB), 64 KiB 8.6 KB; `small` 35.5 / 36.3 /
+/// 36.5 KB; `tiny` 502.9 / 501.1 / 500.8 KB.
+const MARGIN: u64 = 16 << 10;
+
+/// The old bytes a REPLACE block is compressed against: where the planner found it
+/// before giving its source up ([`Plan::hints`]); else, in a run of changed blocks, the
+/// continuation of the nearest one before it that has a source (a file's changed block
+/// sits where that file's old version continues); else the same place in the old
+/// image.
+fn replace_context(plan: &Plan, b: u64) -> u64 {
+    let bs = BS as u64;
+    if let Ok(i) = plan.hints.binary_search_by_key(&b, |h| h.0) {
+        return plan.hints[i].1;
+    }
+    let at = plan.ops.partition_point(|o| o.dst < b);
+    // Back over the changed blocks right before `b`; an unchanged block (no op) sits
+    // at its own place, and so, probably, does `b`.
+    for (k, o) in plan.ops[..at].iter().rev().enumerate() {
+        if o.dst + 1 + k as u64 != b || k as u64 >= CONTINUE_BLOCKS {
+            break;
+        }
+        let src = match o.op {
+            BlockOp::Copy { src_block } => src_block * bs,
+            BlockOp::Xor { src_offset } => src_offset,
+            BlockOp::Zero | BlockOp::Replace => continue,
+        };
+        if let Some(s) = src.checked_add((b - o.dst) * bs) {
+            return s;
+        }
+    }
+    b * bs
+}
 
 fn op_at(plan: &Plan, block: u64) -> Option<BlockOp> {
     plan.ops
@@ -49,49 +91,94 @@ fn op_at(plan: &Plan, block: u64) -> Option<BlockOp> {
 }
 
 /// Appends to `prefix` the old bytes block `b` is compressed against: its XOR source,
-/// or for a REPLACE the old block at the same place (if the old image has one). An
+/// or for a REPLACE the source the planner gave up ([`Plan::hints`]) or else the old
+/// block at the same place (if the old image has one). An
 /// error for blocks the writer never reads (neither XOR nor REPLACE).
-fn add_context(
+/// Where the old bytes block `b` is compressed against start (`None` for blocks the
+/// writer never reads).
+pub fn context_offset(plan: &Plan, b: u64) -> Option<u64> {
+    match op_at(plan, b)? {
+        BlockOp::Xor { src_offset } => Some(src_offset),
+        BlockOp::Replace => Some(replace_context(plan, b)),
+        _ => None,
+    }
+}
+
+/// The old bytes a frame of `blocks` is compressed against: the context of each block
+/// ([`context_offset`]) widened by [`MARGIN`] on both sides, overlapping windows
+/// merged, in ascending order of the old image. An error for blocks the writer never
+/// reads (neither XOR nor REPLACE).
+fn frame_prefix(
     plan: &Plan,
     old: &dyn BlockImage,
-    b: u64,
-    prefix: &mut Vec<u8>,
+    blocks: &[u64],
     name: &Path,
-) -> delta::Result<()> {
-    let start = match op_at(plan, b) {
-        Some(BlockOp::Xor { src_offset }) => src_offset,
-        Some(BlockOp::Replace) => b * BS as u64,
-        other => {
-            return Err(DeltaError::Verify {
-                path: name.to_path_buf(),
-                msg: format!("the COW writer read block {b}, which the plan makes by {other:?}"),
-            });
+) -> delta::Result<Vec<u8>> {
+    let mut wins = Vec::with_capacity(blocks.len());
+    for &b in blocks {
+        let c = context_offset(plan, b).ok_or_else(|| DeltaError::Verify {
+            path: name.to_path_buf(),
+            msg: format!(
+                "the COW writer read block {b}, which the plan makes by {:?}",
+                op_at(plan, b)
+            ),
+        })?;
+        let start = c.saturating_sub(MARGIN);
+        let end = c.saturating_add(BS as u64 + MARGIN).min(old.size());
+        if start < end {
+            wins.push((start, end));
         }
-    };
-    let end = (start + BS as u64).min(old.size());
-    if start < end {
-        let at = prefix.len();
-        prefix.resize(at + (end - start) as usize, 0);
-        old.read_exact_at(&mut prefix[at..], start)?;
     }
-    Ok(())
+    wins.sort_unstable();
+    let mut merged: Vec<(u64, u64)> = Vec::with_capacity(wins.len());
+    for (a, b) in wins {
+        match merged.last_mut() {
+            Some(last) if a <= last.1 => last.1 = last.1.max(b),
+            _ => merged.push((a, b)),
+        }
+    }
+    let mut prefix = Vec::new();
+    for (a, b) in merged {
+        let at = prefix.len();
+        prefix.resize(at + (b - a) as usize, 0);
+        old.read_exact_at(&mut prefix[at..], a)?;
+    }
+    Ok(prefix)
 }
 
-#[derive(serde::Serialize, serde::Deserialize)]
-struct BlockList {
-    first: u64,
-    /// Each block minus the one before it.
-    gaps: Vec<i64>,
+/// The blocks the COW writer reads, in the order it reads them: the XOR and REPLACE
+/// blocks of its op stream, which is the merge order (`merge_ordered`: v3 without
+/// `--block-order`) or ascending blocks. Frames cut this sequence every
+/// [`FRAME_BLOCKS`]; both sides compute it from the plan, and both check that the
+/// writer reads exactly it.
+pub fn data_order(plan: &Plan, merge_ordered: bool) -> Vec<u64> {
+    if merge_ordered {
+        delta::write::merge_ops(plan)
+            .iter()
+            .filter(|o| matches!(o.kind, cow::OpKind::Xor | cow::OpKind::Replace))
+            .map(|o| o.new_block)
+            .collect()
+    } else {
+        plan.ops
+            .iter()
+            .filter(|p| matches!(p.op, BlockOp::Xor { .. } | BlockOp::Replace))
+            .map(|p| p.dst)
+            .collect()
+    }
 }
 
-fn encode_blocks(blocks: &[u64]) -> Vec<u8> {
-    let first = blocks.first().copied().unwrap_or(0);
-    let gaps = blocks
-        .windows(2)
-        .map(|w| w[1] as i64 - w[0] as i64)
-        .collect();
-    // Serialising integers into a Vec cannot fail.
-    postcard::to_stdvec(&BlockList { first, gaps }).unwrap_or_default()
+/// `content` (one 4 KiB block per entry of `blocks`, in that order) rearranged in
+/// ascending block order: inside a frame, neighbouring blocks of the image compress
+/// better next to each other than in the merge order (`medium` pair: 9.8 KB of frames
+/// in merge order).
+fn by_block(blocks: &[u64], content: &[u8]) -> Vec<u8> {
+    let mut idx: Vec<usize> = (0..blocks.len()).collect();
+    idx.sort_unstable_by_key(|&i| blocks[i]);
+    let mut out = Vec::with_capacity(content.len());
+    for i in idx {
+        out.extend_from_slice(&content[i * BS..(i + 1) * BS]);
+    }
+    out
 }
 
 /// A frame ready to compress: its blocks, its prefix and its content.
@@ -109,11 +196,7 @@ fn compress(frame: &Frame, level: i32) -> std::io::Result<Vec<u8>> {
         .ref_prefix(&frame.prefix)
         .map_err(|e| std::io::Error::other(zstd::zstd_safe::get_error_name(e)))?;
     let z = c.compress(&frame.content)?;
-    let list = encode_blocks(&frame.blocks);
-    let mut out = Vec::with_capacity(12 + list.len() + z.len());
-    out.extend_from_slice(&(frame.blocks.len() as u32).to_le_bytes());
-    out.extend_from_slice(&(list.len() as u32).to_le_bytes());
-    out.extend_from_slice(&list);
+    let mut out = Vec::with_capacity(4 + z.len());
     out.extend_from_slice(&(z.len() as u32).to_le_bytes());
     out.extend_from_slice(&z);
     Ok(out)
@@ -124,13 +207,17 @@ pub struct Recorder<'a> {
     new: &'a dyn BlockImage,
     old: &'a dyn BlockImage,
     plan: &'a Plan,
+    /// [`data_order`]: what the writer must read.
+    order: Vec<u64>,
     current: Mutex<(Option<Frame>, usize)>,
     frames: mpsc::SyncSender<Frame>,
     out: PathBuf,
 }
 
 impl Recorder<'_> {
-    fn send(&self, frame: Frame) -> delta::Result<()> {
+    fn send(&self, mut frame: Frame) -> delta::Result<()> {
+        frame.prefix = frame_prefix(self.plan, self.old, &frame.blocks, self.new.name())?;
+        frame.content = by_block(&frame.blocks, &frame.content);
         self.frames.send(frame).map_err(|_| DeltaError::Output {
             path: self.out.clone(),
             op: "compress the data stream for",
@@ -153,13 +240,23 @@ impl BlockImage for Recorder<'_> {
         for (i, block) in buf.chunks(BS).enumerate() {
             let b = offset / BS as u64 + i as u64;
             let (current, next_index) = &mut *guard;
+            let at = *next_index * FRAME_BLOCKS + current.as_ref().map_or(0, |f| f.blocks.len());
+            if self.order.get(at) != Some(&b) {
+                return Err(DeltaError::Verify {
+                    path: self.out.clone(),
+                    msg: format!(
+                        "the COW writer read block {b} as its data block {at}, where the \
+                         bundle's order has {:?}",
+                        self.order.get(at)
+                    ),
+                });
+            }
             let frame = current.get_or_insert_with(|| Frame {
                 index: *next_index,
                 blocks: Vec::with_capacity(FRAME_BLOCKS),
-                prefix: Vec::with_capacity(FRAME_BLOCKS * BS),
+                prefix: Vec::new(),
                 content: Vec::with_capacity(FRAME_BLOCKS * BS),
             });
-            add_context(self.plan, self.old, b, &mut frame.prefix, self.new.name())?;
             frame.blocks.push(b);
             frame.content.extend_from_slice(block);
             if frame.blocks.len() == FRAME_BLOCKS
@@ -182,13 +279,16 @@ impl BlockImage for Recorder<'_> {
 pub struct StreamOptions {
     /// zstd level of the frames.
     pub level: i32,
+    /// The COW writer's op stream is in merge order (see [`data_order`]).
+    pub merge_ordered: bool,
     /// Threads compressing frames (at least one).
     pub threads: usize,
 }
 
 /// Runs `write` (the COW writer) with a [`Recorder`] for the new image, compressing
-/// its frames into `out` (`out_name` in errors). Returns what `write` returned and the
-/// bytes recorded (uncompressed).
+/// its frames into `out` (`out_name` in errors); `merge_ordered` as for
+/// [`data_order`]. Returns what `write` returned and the bytes recorded
+/// (uncompressed).
 pub fn record<T>(
     new: &dyn BlockImage,
     old: &dyn BlockImage,
@@ -198,7 +298,11 @@ pub fn record<T>(
     opts: StreamOptions,
     write: impl FnOnce(&Recorder<'_>) -> delta::Result<T>,
 ) -> delta::Result<(T, u64)> {
-    let StreamOptions { level, threads } = opts;
+    let StreamOptions {
+        level,
+        threads,
+        merge_ordered,
+    } = opts;
     let out_err = |source: std::io::Error| DeltaError::Output {
         path: out_name.to_path_buf(),
         op: "write the data stream to",
@@ -243,10 +347,13 @@ pub fn record<T>(
             }
             Ok(written)
         });
+        let order = data_order(plan, merge_ordered);
+        let expected = order.len();
         let rec = Recorder {
             new,
             old,
             plan,
+            order,
             current: Mutex::new((None, 0)),
             frames: frame_tx,
             out: out_name.to_path_buf(),
@@ -261,8 +368,23 @@ pub fn record<T>(
                 })?
                 .0
                 .take();
+            let read = rec.current.lock().map_or(0, |g| g.1 * FRAME_BLOCKS);
             if let Some(f) = last {
+                let n = read + f.blocks.len();
                 rec.send(f)?;
+                if n != expected {
+                    return Err(DeltaError::Verify {
+                        path: out_name.to_path_buf(),
+                        msg: format!(
+                            "the COW writer read {n} data blocks, the plan has {expected}"
+                        ),
+                    });
+                }
+            } else if read != expected {
+                return Err(DeltaError::Verify {
+                    path: out_name.to_path_buf(),
+                    msg: format!("the COW writer read {read} data blocks, the plan has {expected}"),
+                });
             }
             Ok(t)
         });
@@ -274,12 +396,7 @@ pub fn record<T>(
             .join()
             .map_err(|_| out_err(std::io::Error::other("the frame writer panicked")))?
             .map_err(out_err)?;
-        let data_blocks = plan
-            .ops
-            .iter()
-            .filter(|p| matches!(p.op, BlockOp::Xor { .. } | BlockOp::Replace))
-            .count();
-        result.map(|t| (t, (data_blocks * BS) as u64))
+        result.map(|t| (t, (expected * BS) as u64))
     })
 }
 
@@ -298,7 +415,13 @@ struct ReplayState<R> {
     input: R,
     /// Offset in the bundle of the next byte of `input`.
     pos: u64,
+    /// [`data_order`], and how many of its blocks the frames decoded so far hold.
+    order: Vec<u64>,
+    decoded: usize,
+    /// The current frame's blocks in the order the writer reads them, and ascending
+    /// (the order of `content`).
     blocks: Vec<u64>,
+    sorted: Vec<u64>,
     content: Vec<u8>,
     /// Next block of the current frame to hand out.
     next: usize,
@@ -306,10 +429,12 @@ struct ReplayState<R> {
 
 impl<'a, R: Read + Send> Replayer<'a, R> {
     /// Replays the frames read from `input` (the data section of a payload, starting at
-    /// offset `pos` of the bundle `name`) for an image of `size` bytes.
+    /// offset `pos` of the bundle `name`) for an image of `size` bytes; `merge_ordered`
+    /// as for [`data_order`].
     pub fn new(
         old: &'a dyn BlockImage,
         plan: &'a Plan,
+        merge_ordered: bool,
         input: R,
         pos: u64,
         name: &Path,
@@ -321,6 +446,9 @@ impl<'a, R: Read + Send> Replayer<'a, R> {
             state: Mutex::new(ReplayState {
                 input,
                 pos,
+                order: data_order(plan, merge_ordered),
+                decoded: 0,
+                sorted: Vec::new(),
                 blocks: Vec::new(),
                 content: Vec::new(),
                 next: 0,
@@ -337,11 +465,12 @@ impl<'a, R: Read + Send> Replayer<'a, R> {
             .state
             .into_inner()
             .map_err(|_| "a replaying thread panicked".to_string())?;
-        if st.next != st.blocks.len() {
+        if st.next != st.blocks.len() || st.decoded != st.order.len() {
             return Err(format!(
-                "offset {}: the last frame holds {} blocks the COW writer did not read",
+                "offset {}: the COW writer read {} of the plan's {} data blocks",
                 st.pos,
-                st.blocks.len() - st.next
+                st.decoded - (st.blocks.len() - st.next),
+                st.order.len()
             ));
         }
         Ok(st.input)
@@ -367,47 +496,23 @@ impl<'a, R: Read + Send> Replayer<'a, R> {
             st.pos += buf.len() as u64;
             Ok(())
         };
-        read(st, &mut word)?;
-        let n = u32::from_le_bytes(word) as usize;
-        read(st, &mut word)?;
-        let list_len = u32::from_le_bytes(word) as usize;
-        if n == 0 || n > FRAME_BLOCKS || list_len > 16 * FRAME_BLOCKS {
+        let n = (st.order.len() - st.decoded).min(FRAME_BLOCKS);
+        if n == 0 {
             return Err(self.fail(
                 at,
-                format!("bad frame header ({n} blocks, list of {list_len} bytes)"),
+                "the COW writer reads more data blocks than the plan has".into(),
             ));
         }
-        let mut list = vec![0u8; list_len];
-        read(st, &mut list)?;
-        let bl: BlockList = postcard::from_bytes(&list)
-            .map_err(|e| self.fail(at + 8, format!("bad block list: {e}")))?;
-        if bl.gaps.len() + 1 != n {
-            return Err(self.fail(at + 8, "block list and count disagree".into()));
-        }
-        let mut blocks = Vec::with_capacity(n);
-        let mut b = bl.first;
-        blocks.push(b);
-        for g in &bl.gaps {
-            b = b
-                .checked_add_signed(*g)
-                .filter(|&b| b < self.size / BS as u64)
-                .ok_or_else(|| {
-                    self.fail(at + 8, "a block of the list lies outside the image".into())
-                })?;
-            blocks.push(b);
-        }
+        let blocks = st.order[st.decoded..st.decoded + n].to_vec();
         read(st, &mut word)?;
         let zlen = u32::from_le_bytes(word) as usize;
         if zlen > 2 * FRAME_BLOCKS * BS {
-            return Err(self.fail(st.pos - 4, format!("frame of {zlen} bytes is too large")));
+            return Err(self.fail(at, format!("frame of {zlen} bytes is too large")));
         }
         let mut z = vec![0u8; zlen];
         let zat = st.pos;
         read(st, &mut z)?;
-        let mut prefix = Vec::with_capacity(n * BS);
-        for &b in &blocks {
-            add_context(self.plan, self.old, b, &mut prefix, &self.name)?;
-        }
+        let prefix = frame_prefix(self.plan, self.old, &blocks, &self.name)?;
         // One context per frame: it borrows the frame's prefix.
         let mut dctx = zstd::zstd_safe::DCtx::create();
         dctx.ref_prefix(&prefix)
@@ -422,8 +527,12 @@ impl<'a, R: Read + Send> Replayer<'a, R> {
         if got != n * BS {
             return Err(self.fail(zat, format!("frame decodes to {got} bytes, not {}", n * BS)));
         }
+        let mut sorted = blocks.clone();
+        sorted.sort_unstable();
         st.blocks = blocks;
+        st.sorted = sorted;
         st.next = 0;
+        st.decoded += n;
         Ok(())
     }
 }
@@ -452,7 +561,7 @@ impl<R: Read + Send> BlockImage for Replayer<'_, R> {
                     ),
                 ));
             }
-            let at = st.next * BS;
+            let at = st.sorted.binary_search(&b).unwrap_or_default() * BS;
             out.copy_from_slice(&st.content[at..at + out.len()]);
             st.next += 1;
         }

@@ -1,10 +1,10 @@
 //! The container: a fixed header, the manifest (JSON), the signature, then each
 //! partition's payload.
 //!
-//! JSON for the manifest because it is small (a few hundred KiB at most, most of it
-//! per-op hashes), read once, shown to people (`vabc bundle info`), and grows by new
-//! optional fields without a version bump; a reader refuses a header version it does
-//! not know. Everything else is bytes bound to the manifest by sha256.
+//! JSON for the manifest (stored zstd-compressed: its hashes are hex) because it is
+//! small, read once, shown to people (`vabc bundle info`), and grows by new optional
+//! fields without a version bump; a reader refuses a header version it does not know.
+//! Everything else is bytes bound to the manifest by sha256.
 
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom, Write};
@@ -24,8 +24,8 @@ pub const MAGIC: [u8; 8] = *b"VABCBNDL";
 pub const FORMAT_VERSION: u32 = 1;
 /// Bytes of the fixed header.
 pub const HEADER_SIZE: usize = size_of::<Header>();
-/// Largest manifest a reader accepts: bounds what a damaged length makes it allocate
-/// (a manifest holds 16 hex digits per COW op: 64 MiB is four million ops).
+/// Largest manifest a reader accepts, stored and decoded: bounds what a damaged length
+/// makes it allocate.
 pub const MAX_MANIFEST: u32 = 64 << 20;
 
 /// The fixed header.
@@ -201,11 +201,16 @@ impl BundleWriter {
             signer: key.map(|k| k.public().id()),
             partitions: self.partitions,
         };
-        let json = serde_json::to_vec_pretty(&manifest).map_err(|e| BundleError::Format {
+        let fail = |msg: String| BundleError::Format {
             path: self.out.clone(),
             offset: HEADER_SIZE as u64,
-            msg: format!("cannot encode the manifest: {e}"),
-        })?;
+            msg,
+        };
+        let text = serde_json::to_vec(&manifest)
+            .map_err(|e| fail(format!("cannot encode the manifest: {e}")))?;
+        // Compressed: its hashes are hex, and a small update's bundle is mostly manifest.
+        let json = zstd::bulk::compress(&text, 19)
+            .map_err(|e| fail(format!("cannot compress the manifest: {e}")))?;
         let header = header_bytes(json.len(), key.is_some());
         let mut tmp = temp_beside(&self.out)?;
         let tpath = tmp.path().to_path_buf();
@@ -362,7 +367,17 @@ impl<R: Read> BundleReader<R> {
                     msg,
                 })?;
         }
-        let manifest: BundleManifest = serde_json::from_slice(&json)
+        let mut text = Vec::new();
+        zstd::stream::read::Decoder::new(&json[..])
+            .and_then(|d| d.take(u64::from(MAX_MANIFEST) + 1).read_to_end(&mut text))
+            .map_err(|e| fail(HEADER_SIZE as u64, format!("bad manifest: zstd: {e}")))?;
+        if text.len() > MAX_MANIFEST as usize {
+            return Err(fail(
+                HEADER_SIZE as u64,
+                format!("the manifest decodes to more than {MAX_MANIFEST} bytes"),
+            ));
+        }
+        let manifest: BundleManifest = serde_json::from_slice(&text)
             .map_err(|e| fail(HEADER_SIZE as u64, format!("bad manifest: {e}")))?;
         if manifest.format != "vabc-bundle" {
             return Err(fail(

@@ -28,11 +28,17 @@
 //! * [`sign`]: keys (PEM files as `openssl genpkey -algorithm ed25519` writes them),
 //!   signing and verification, through `ed25519-dalek`;
 //! * [`plan_wire`]: a [`delta::Plan`] as compact bytes;
+//! * [`http`]: a bundle fetched from a URL with range requests, resuming cut
+//!   connections;
 //! * [`data`]: the new data of a plan as one compressed stream, recorded while the
 //!   host writes its COW and replayed while the device writes its own.
 
 pub mod data;
 pub mod format;
+#[cfg(any(test, feature = "fuzzing"))]
+#[doc(hidden)]
+pub mod fuzzing;
+pub mod http;
 pub mod plan_wire;
 pub mod sign;
 

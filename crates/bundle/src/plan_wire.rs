@@ -3,6 +3,8 @@
 //! of neighbouring ops become runs of equal small numbers, which zstd folds away: on
 //! the `system` pair the plan of ~150 000 ops takes a few hundred KiB.
 
+use std::io::Read;
+
 use delta::{BlockOp, Census, Plan, PlannedOp};
 use serde::{Deserialize, Serialize};
 
@@ -14,6 +16,9 @@ struct WirePlan {
     ops: Vec<WireOp>,
     /// Each merge-sequence entry minus the one before it.
     sequence: Vec<i64>,
+    /// [`Plan::hints`]: each block minus the one before it, and its old byte offset
+    /// minus the block's own.
+    hints: Vec<(u64, i64)>,
 }
 
 /// `gap`: blocks between the previous op's destination and this one's, minus one.
@@ -74,11 +79,22 @@ pub fn encode(plan: &Plan, level: i32) -> std::io::Result<Vec<u8>> {
             d
         })
         .collect();
+    let mut prev = 0u64;
+    let hints = plan
+        .hints
+        .iter()
+        .map(|&(b, src)| {
+            let d = b - prev;
+            prev = b;
+            (d, src as i64 - (b * BS) as i64)
+        })
+        .collect();
     let wire = WirePlan {
         old_size: plan.old_size,
         new_size: plan.new_size,
         ops,
         sequence,
+        hints,
     };
     let raw = postcard::to_stdvec(&wire).map_err(std::io::Error::other)?;
     zstd::bulk::compress(&raw, level)
@@ -91,7 +107,15 @@ pub fn decode(bytes: &[u8], new_size: u64) -> Result<Plan, String> {
     // Per op at most ~30 bytes of varints, per sequence entry ~10.
     let cap = usize::try_from(blocks.saturating_mul(40).saturating_add(1 << 16))
         .map_err(|_| "image too large".to_string())?;
-    let raw = zstd::bulk::decompress(bytes, cap).map_err(|e| format!("plan: zstd: {e}"))?;
+    // Streamed, so that memory grows with the plan's real size, not with what a damaged
+    // (or unsigned) manifest claims.
+    let mut raw = Vec::new();
+    zstd::stream::read::Decoder::new(bytes)
+        .and_then(|d| std::io::Read::take(d, cap as u64 + 1).read_to_end(&mut raw))
+        .map_err(|e| format!("plan: zstd: {e}"))?;
+    if raw.len() > cap {
+        return Err(format!("plan: decodes to more than {cap} bytes"));
+    }
     let wire: WirePlan = postcard::from_bytes(&raw).map_err(|e| format!("plan: {e}"))?;
     if wire.new_size != new_size {
         return Err(format!(
@@ -151,6 +175,20 @@ pub fn decode(bytes: &[u8], new_size: u64) -> Result<Plan, String> {
             .ok_or_else(|| "plan: a merge-sequence entry lies outside the image".to_string())?;
         sequence.push(prev as u64);
     }
+    let mut hints = Vec::with_capacity(wire.hints.len());
+    let mut b = 0u64;
+    for (i, &(d, rel)) in wire.hints.iter().enumerate() {
+        b = b
+            .checked_add(d)
+            .filter(|&b| b < blocks && (i == 0 || d > 0))
+            .ok_or_else(|| {
+                "plan: a source hint lies outside the image or out of order".to_string()
+            })?;
+        let src = (b * BS)
+            .checked_add_signed(rel)
+            .ok_or_else(|| "plan: a source hint lies before the image".to_string())?;
+        hints.push((b, src));
+    }
     Ok(Plan {
         old_size: wire.old_size,
         new_size: wire.new_size,
@@ -158,6 +196,7 @@ pub fn decode(bytes: &[u8], new_size: u64) -> Result<Plan, String> {
         sequence,
         census,
         index_bytes: 0,
+        hints,
     })
 }
 
@@ -192,10 +231,12 @@ mod tests {
             sequence: vec![1, 0],
             census: Census::default(),
             index_bytes: 0,
+            hints: vec![(9, 12345)],
         };
         let back = decode(&encode(&plan, 3).unwrap(), 10 * BS).unwrap();
         assert_eq!(back.ops, plan.ops);
         assert_eq!(back.sequence, plan.sequence);
+        assert_eq!(back.hints, plan.hints);
         assert_eq!(
             (back.old_size, back.new_size),
             (plan.old_size, plan.new_size)
@@ -218,6 +259,7 @@ mod tests {
             sequence: vec![],
             census: Census::default(),
             index_bytes: 0,
+            hints: vec![],
         };
         let bytes = encode(&plan, 3).unwrap();
         assert!(decode(&bytes, 4 * BS).is_ok());

@@ -170,6 +170,11 @@ pub struct Plan {
     pub census: Census,
     /// Heap bytes of the OLD index while planning.
     pub index_bytes: usize,
+    /// REPLACE blocks that had a COPY or XOR source before it was given up (to break a
+    /// merge-order cycle, or as a far or lone XOR): (block, OLD byte offset), ascending
+    /// by block. A COW does not need them; the update bundle compresses such a block
+    /// against its old source.
+    pub hints: Vec<(u64, u64)>,
 }
 
 impl Plan {
@@ -231,6 +236,15 @@ fn plan_in_pool(
         .collect::<Result<_>>()?;
     progress.finish();
     let mut ops: Vec<PlannedOp> = parts.into_iter().flatten().collect();
+    // Where each block was found in OLD before some sources are given up below.
+    let found: Vec<(u64, u64)> = ops
+        .iter()
+        .filter_map(|o| match o.op {
+            BlockOp::Copy { src_block } => Some((o.dst, src_block * BLOCK_SIZE as u64)),
+            BlockOp::Xor { src_offset } => Some((o.dst, src_offset)),
+            BlockOp::Zero | BlockOp::Replace => None,
+        })
+        .collect();
     let lone_xors = replace_lone_xors(&mut ops, n_new, opts.min_xor_run);
     let far_xors = replace_far_xors(&mut ops, opts.far_xor_blocks);
     let MergeOrder {
@@ -252,6 +266,14 @@ fn plan_in_pool(
         }
     }
     census.unchanged = n_new - ops.len() as u64;
+    let hints = ops
+        .iter()
+        .filter(|o| o.op == BlockOp::Replace)
+        .filter_map(|o| {
+            let i = found.binary_search_by_key(&o.dst, |f| f.0).ok()?;
+            Some(found[i])
+        })
+        .collect();
     Ok(Plan {
         old_size: old.size(),
         new_size: new.size(),
@@ -259,6 +281,7 @@ fn plan_in_pool(
         sequence,
         census,
         index_bytes: index.memory_bytes(),
+        hints,
     })
 }
 

@@ -131,6 +131,7 @@ fn region_hashes(
     src: &dyn ReadAt,
     path: &Path,
     size: u64,
+    region_size: u64,
     which: &[usize],
 ) -> Result<Vec<[u8; 32]>> {
     const CHUNK: usize = 1 << 20;
@@ -139,13 +140,13 @@ fn region_hashes(
         .map_init(
             || vec![0u8; CHUNK],
             |buf, &r| {
-                let start = r as u64 * REGION_SIZE;
+                let start = r as u64 * region_size;
                 let mut h = Sha256::new();
                 hash_range(
                     src,
                     path,
                     start,
-                    (start + REGION_SIZE).min(size),
+                    (start + region_size).min(size),
                     buf,
                     &mut h,
                 )?;
@@ -189,14 +190,28 @@ impl ImageId {
     /// in parallel, then the whole-image hash), so use it where the image is made, not
     /// on every check.
     pub fn compute(src: &dyn ReadAt, path: &Path, size: u64) -> Result<ImageId> {
-        let all: Vec<usize> = (0..regions_of(size)).collect();
-        let regions = region_hashes(src, path, size, &all)?;
+        ImageId::compute_in(src, path, size, REGION_SIZE)
+    }
+
+    /// [`ImageId::compute`] with regions of `region_size` bytes (a power of two of at
+    /// least 4 KiB). A manifest beside a COW uses [`REGION_SIZE`]; an update bundle names
+    /// its bases more coarsely (fewer hashes to ship) and the device computes the fine
+    /// ones once the whole base matched.
+    pub fn compute_in(
+        src: &dyn ReadAt,
+        path: &Path,
+        size: u64,
+        region_size: u64,
+    ) -> Result<ImageId> {
+        let region_size = region_size.max(4096);
+        let all: Vec<usize> = (0..size.div_ceil(region_size) as usize).collect();
+        let regions = region_hashes(src, path, size, region_size, &all)?;
         let mut whole = Sha256::new();
         hash_range(src, path, 0, size, &mut vec![0u8; 1 << 20], &mut whole)?;
         Ok(ImageId {
             size,
             sha256: hex::encode(whole.finalize()),
-            region_size: REGION_SIZE,
+            region_size,
             regions: regions.iter().map(hex::encode).collect(),
         })
     }
@@ -219,7 +234,7 @@ impl ImageId {
             }));
         }
         let which: Vec<usize> = (0..self.regions.len()).filter(|&r| check(r)).collect();
-        let got = region_hashes(src, path, self.size, &which)?;
+        let got = region_hashes(src, path, self.size, self.region_size.max(4096), &which)?;
         Ok(which
             .iter()
             .zip(&got)

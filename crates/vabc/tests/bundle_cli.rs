@@ -389,3 +389,117 @@ fn an_install_killed_at_any_point_resumes_to_the_exact_cows() {
         }
     }
 }
+
+/// What a test server sent: (range start, bytes sent) per response.
+type Served = std::sync::Arc<std::sync::Mutex<Vec<(u64, usize)>>>;
+
+/// A one-file HTTP/1.1 server on 127.0.0.1 that honours `Range: bytes=N-`; each of the
+/// first `cuts` responses stops after `cut_after` body bytes (a dropped connection).
+/// Returns the URL and the (range start, bytes sent) of every response.
+fn http_server(data: Vec<u8>, cuts: usize, cut_after: usize) -> (String, Served) {
+    use std::io::{BufRead, BufReader, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}/u.vabc", listener.local_addr().unwrap());
+    let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let served = log.clone();
+    std::thread::spawn(move || {
+        for (i, conn) in listener.incoming().enumerate() {
+            let Ok(mut conn) = conn else { continue };
+            let mut start = 0u64;
+            let mut reader = BufReader::new(conn.try_clone().unwrap());
+            loop {
+                let mut line = String::new();
+                if reader.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
+                    break;
+                }
+                let lower = line.to_ascii_lowercase();
+                if let Some(r) = lower.strip_prefix("range: bytes=") {
+                    start = r.trim().trim_end_matches('-').parse().unwrap();
+                }
+            }
+            let body = &data[start as usize..];
+            let head = if start > 0 {
+                format!(
+                    "HTTP/1.1 206 Partial Content\r\nContent-Range: bytes {start}-{}/{}\r\n",
+                    data.len() - 1,
+                    data.len()
+                )
+            } else {
+                "HTTP/1.1 200 OK\r\n".to_string()
+            };
+            let head = format!(
+                "{head}Content-Length: {}\r\nConnection: close\r\n\r\n",
+                body.len()
+            );
+            let n = if i < cuts {
+                cut_after.min(body.len())
+            } else {
+                body.len()
+            };
+            let _ = conn.write_all(head.as_bytes());
+            let _ = conn.write_all(&body[..n]);
+            served.lock().unwrap().push((start, n));
+        }
+    });
+    (url, log)
+}
+
+#[test]
+fn a_download_cut_mid_way_resumes_where_it_stopped() {
+    let d = tempfile::tempdir().unwrap();
+    let (key, public) = keys(d.path(), "k");
+    let parts = tiny_parts();
+    let bundle = d.path().join("u.vabc");
+    create(&parts, &bundle, Some(&key));
+    let data = std::fs::read(&bundle).unwrap();
+    let len = data.len();
+    let (url, log) = http_server(data, 3, len / 5);
+    let out = d.path().join("out");
+    std::fs::create_dir(&out).unwrap();
+    let bases = base_args(&parts);
+    let mut args = vec![
+        "bundle",
+        "install",
+        &url,
+        "-o",
+        s(&out),
+        "--key",
+        s(&public),
+    ];
+    args.extend(bases.iter().map(String::as_str));
+    ok(&args);
+    let log = log.lock().unwrap().clone();
+    // Four responses, each from where the one before stopped: no byte twice.
+    assert_eq!(log.len(), 4, "{log:?}");
+    let mut at = 0;
+    for &(start, n) in &log {
+        assert_eq!(start as usize, at, "{log:?}");
+        at += n;
+    }
+    assert_eq!(at, len);
+    let want = d.path().join("want");
+    std::fs::create_dir(&want).unwrap();
+    let mut args = vec![
+        "bundle",
+        "install",
+        s(&bundle),
+        "-o",
+        s(&want),
+        "--key",
+        s(&public),
+    ];
+    args.extend(bases.iter().map(String::as_str));
+    ok(&args);
+    for f in [
+        "system.cow",
+        "vendor.cow",
+        "system.cow.manifest",
+        "vendor.cow.manifest",
+    ] {
+        assert_eq!(
+            std::fs::read(out.join(f)).unwrap(),
+            std::fs::read(want.join(f)).unwrap(),
+            "{f}"
+        );
+    }
+}

@@ -167,7 +167,8 @@ struct PlanArgs {
 
 #[derive(clap::Args)]
 struct InstallArgs {
-    /// The bundle (`-` for stdin).
+    /// The bundle: a file, `-` for stdin, or an http:// or https:// URL (a cut
+    /// download resumes with range requests).
     bundle: PathBuf,
     /// A partition's base image (the old image on the device). Every partition of the
     /// bundle needs one.
@@ -429,28 +430,38 @@ fn create_partition(
     let sopts = bundle::data::StreamOptions {
         level: a.level,
         threads,
+        merge_ordered: copts.version >= 3 && !copts.block_order,
     };
     let (_, data_bytes) = bundle::data::record(&new, &old, &plan, out, &a.output, sopts, |rec| {
         write_cow(&plan, &old, rec, &cow_path, copts, &bar)
     })?;
     let (cow_size, cow_sha) = sha256_file(&cow_path)?;
-    let id = |img: &ImageFile, path: &Path, size: u64| {
+    let id = |img: &ImageFile, path: &Path, size: u64, region_size: u64| {
         let read = |off: u64, buf: &mut [u8]| {
             BlockImage::read_exact_at(img, buf, off).map_err(std::io::Error::other)
         };
-        manifest::ImageId::compute(&read, path, size)
+        manifest::ImageId::compute_in(&read, path, size, region_size)
     };
     let written = cow::CowReader::open(&cow_path)?;
     // The per-op hashes (16 hex digits per op: 2 MB on the `system` pair) are not
     // shipped: the device computes them from the COW it wrote, whose sha256 the
     // manifest fixes.
-    let image = manifest::Manifest {
+    let mut image = manifest::Manifest {
         schema_version: manifest::SCHEMA_VERSION,
-        base: id(&old, old_path, plan.old_size)?,
-        new: id(&new, new_path, plan.new_size)?,
+        base: id(
+            &old,
+            old_path,
+            plan.old_size,
+            bundle_region_size(plan.old_size),
+        )?,
+        new: id(&new, new_path, plan.new_size, manifest::REGION_SIZE)?,
         cow_ops: written.ops().len() as u64,
         merged_op_hashes: None,
     };
+    // Nor the new image's region hashes (32 bytes of entropy per 4 MiB): the device
+    // reads the new image through its COW once installed, computes them and checks the
+    // whole image's sha256, which stays. The base's are coarse (bundle_region_size).
+    image.new.regions.clear();
     let c = plan.census;
     Ok(Partition {
         name: name.to_string(),
@@ -480,10 +491,28 @@ fn create_partition(
     })
 }
 
-/// The bundle named on the command line, as a stream.
+/// Region size of a base's identity in a bundle: at most 16 regions (and at least
+/// 4 MiB each), enough to say which part of a wrong base is wrong; the device computes
+/// the 4 MiB regions of its manifest sidecar once the whole base matched.
+fn bundle_region_size(size: u64) -> u64 {
+    (size.div_ceil(16))
+        .next_power_of_two()
+        .max(manifest::REGION_SIZE)
+}
+
+/// The bundle named on the command line, as a stream: a file, `-` for stdin, or an
+/// `http://` / `https://` URL (fetched with range requests that resume a cut
+/// connection).
 fn open_input(path: &Path) -> Result<Box<dyn Read + Send>> {
     if path == Path::new("-") {
         return Ok(Box::new(std::io::stdin()));
+    }
+    let text = path.to_string_lossy();
+    if text.starts_with("http://") || text.starts_with("https://") {
+        return Ok(Box::new(std::io::BufReader::with_capacity(
+            1 << 20,
+            bundle::http::RangeReader::new(&text),
+        )));
     }
     let f = File::open(path).with_context(|| format!("cannot open bundle {}", path.display()))?;
     Ok(Box::new(std::io::BufReader::with_capacity(1 << 20, f)))
@@ -835,6 +864,7 @@ fn install_into(
         let replayer = bundle::data::Replayer::new(
             &old,
             &plan,
+            copts.version >= 3 && !copts.block_order,
             &mut stream,
             pos,
             bundle_path,
@@ -866,7 +896,13 @@ fn install_into(
             let _ = std::fs::remove_file(&tmp_cow);
             return Err(e.context(format!("install partition {} (nothing kept)", part.name)));
         }
-        let sidecar = device_manifest(&part, &tmp_cow, base)?;
+        let sidecar = match device_manifest(&part, &tmp_cow, base) {
+            Ok(m) => m,
+            Err(e) => {
+                let _ = std::fs::remove_file(&tmp_cow);
+                return Err(e.context(format!("install partition {} (nothing kept)", part.name)));
+            }
+        };
         crate::output::write_atomic(&manifest_path, sidecar.to_json().as_bytes())?;
         std::fs::rename(&tmp_cow, &cow_path)
             .with_context(|| format!("rename {} to {}", tmp_cow.display(), cow_path.display()))?;
@@ -886,8 +922,8 @@ fn install_into(
 }
 
 /// The manifest `vabc diff` would have written beside the COW: the bundle's, with the
-/// per-op hashes of the new image computed from the COW (checked against the manifest's
-/// sha256) over the base.
+/// new image's region hashes and per-op hashes computed from the COW over the base (and
+/// the new image's sha256 checked against the bundle's).
 fn device_manifest(p: &Partition, cow_path: &Path, base: &Path) -> Result<manifest::Manifest> {
     let cow = cow::CowReader::open(cow_path)?;
     let file = File::open(base).with_context(|| format!("cannot open base {}", base.display()))?;
@@ -896,8 +932,39 @@ fn device_manifest(p: &Partition, cow_path: &Path, base: &Path) -> Result<manife
         view.read_blocks(off / cow::BLOCK_SIZE as u64, buf)
             .map_err(std::io::Error::other)
     };
+    // A full read of the new image through the COW: it proves base + COW make the
+    // image the signed manifest names, before the COW is kept.
+    let new = manifest::ImageId::compute(&read, cow_path, p.image.new.size)?;
+    if new.sha256 != p.image.new.sha256 {
+        mismatch!(
+            "partition {}: base {} + the installed COW make an image with sha256 {}, the \
+             bundle's new image has {}; nothing was kept",
+            p.name,
+            base.display(),
+            new.sha256,
+            p.image.new.sha256
+        );
+    }
+    // The base matched the bundle's coarse regions and sha256: its 4 MiB regions are
+    // the ones `vabc diff` recorded.
+    let base_id = if p.image.base.region_size == manifest::REGION_SIZE {
+        p.image.base.clone()
+    } else {
+        manifest::ImageId::compute(&file, base, p.image.base.size)?
+    };
+    if base_id.sha256 != p.image.base.sha256 {
+        mismatch!(
+            "{} changed while the bundle was installed (sha256 {}, the bundle's base has {}); \
+             nothing was kept",
+            base.display(),
+            base_id.sha256,
+            p.image.base.sha256
+        );
+    }
     Ok(manifest::Manifest {
         merged_op_hashes: Some(crate::checks::op_hashes(&cow, &read, cow_path)?),
+        new,
+        base: base_id,
         ..p.image.clone()
     })
 }

@@ -1,0 +1,158 @@
+//! A bundle read from an `http://` or `https://` URL as one stream that survives cut
+//! connections: when a response ends early or fails, the next read asks again from the
+//! first byte not yet received (`Range: bytes=N-`), so an interrupted download goes on
+//! where it stopped instead of starting over. Through `ureq`.
+
+use std::io::{self, Read};
+use std::time::Duration;
+
+/// Reconnections without progress before a read fails.
+const RETRIES: u32 = 5;
+
+/// The bytes of a URL, fetched with range requests as they are read.
+pub struct RangeReader {
+    agent: ureq::Agent,
+    url: String,
+    /// Bytes handed out so far.
+    pos: u64,
+    /// Size of the resource, once a response said.
+    total: Option<u64>,
+    body: Option<Box<dyn Read + Send>>,
+    /// Reconnections since the last byte received.
+    failures: u32,
+    /// Responses opened, for the tests and the report.
+    requests: u64,
+}
+
+impl std::fmt::Debug for RangeReader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RangeReader")
+            .field("url", &self.url)
+            .field("pos", &self.pos)
+            .field("total", &self.total)
+            .finish()
+    }
+}
+
+impl RangeReader {
+    /// A reader of `url`, which is fetched on the first read.
+    pub fn new(url: &str) -> RangeReader {
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .timeout_connect(Some(Duration::from_secs(30)))
+            .timeout_recv_body(Some(Duration::from_secs(60)))
+            .build()
+            .into();
+        RangeReader {
+            agent,
+            url: url.to_string(),
+            pos: 0,
+            total: None,
+            body: None,
+            failures: 0,
+            requests: 0,
+        }
+    }
+
+    /// HTTP responses opened so far (one, unless connections were cut).
+    pub fn requests(&self) -> u64 {
+        self.requests
+    }
+
+    fn connect(&mut self) -> io::Result<()> {
+        self.requests += 1;
+        let mut req = self.agent.get(&self.url);
+        if self.pos > 0 {
+            req = req.header("Range", format!("bytes={}-", self.pos));
+        }
+        let resp = req
+            .call()
+            .map_err(|e| io::Error::other(format!("GET {}: {e}", self.url)))?;
+        let status = resp.status().as_u16();
+        let header = |name: &str| {
+            resp.headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string)
+        };
+        let len: Option<u64> = header("content-length").and_then(|v| v.parse().ok());
+        match status {
+            200 if self.pos == 0 => self.total = len,
+            206 => {
+                // "bytes START-END/TOTAL": the range must start where we are.
+                let range = header("content-range").unwrap_or_default();
+                let start = range
+                    .strip_prefix("bytes ")
+                    .and_then(|r| r.split('-').next())
+                    .and_then(|s| s.parse::<u64>().ok());
+                if start != Some(self.pos) {
+                    return Err(io::Error::other(format!(
+                        "GET {}: asked for bytes from {}, got range {range:?}",
+                        self.url, self.pos
+                    )));
+                }
+                if let Some(t) = range.rsplit('/').next().and_then(|t| t.parse().ok()) {
+                    self.total = Some(t);
+                }
+            }
+            s => {
+                return Err(io::Error::other(format!(
+                    "GET {} from byte {}: HTTP status {s}{}",
+                    self.url,
+                    self.pos,
+                    if s == 200 {
+                        " (the server ignores range requests)"
+                    } else {
+                        ""
+                    }
+                )));
+            }
+        }
+        self.body = Some(Box::new(resp.into_body().into_reader()));
+        Ok(())
+    }
+}
+
+impl Read for RangeReader {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if buf.is_empty() || self.total.is_some_and(|t| self.pos >= t) {
+            return Ok(0);
+        }
+        loop {
+            if self.body.is_none()
+                && let Err(e) = self.connect()
+            {
+                self.failures += 1;
+                if self.failures > RETRIES {
+                    return Err(e);
+                }
+                std::thread::sleep(Duration::from_millis(200 << self.failures.min(4)));
+                continue;
+            }
+            let Some(body) = self.body.as_mut() else {
+                continue;
+            };
+            match body.read(buf) {
+                Ok(0) if self.total.is_none_or(|t| self.pos >= t) => return Ok(0),
+                Ok(n) if n > 0 => {
+                    self.pos += n as u64;
+                    self.failures = 0;
+                    return Ok(n);
+                }
+                // Ended early, or failed: ask again from here.
+                Ok(_) | Err(_) => {
+                    self.body = None;
+                    self.failures += 1;
+                    if self.failures > RETRIES {
+                        return Err(io::Error::new(
+                            io::ErrorKind::UnexpectedEof,
+                            format!(
+                                "GET {}: the connection ended at byte {} {RETRIES} times",
+                                self.url, self.pos
+                            ),
+                        ));
+                    }
+                }
+            }
+        }
+    }
+}
