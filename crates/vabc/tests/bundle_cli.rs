@@ -503,3 +503,27 @@ fn a_download_cut_mid_way_resumes_where_it_stopped() {
         );
     }
 }
+
+#[test]
+fn too_little_space_is_refused_before_anything_is_written() {
+    let d = tempfile::tempdir().unwrap();
+    let (key, public) = keys(d.path(), "k");
+    let bundle = small_bundle(d.path(), Some(&key));
+    // A file system smaller than the COW (about 2.1 MiB, most of it scratch area).
+    let out = d.path().join("small-fs");
+    std::fs::create_dir(&out).unwrap();
+    let st = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=1m", "vabc-test", s(&out)])
+        .status()
+        .unwrap();
+    assert!(st.success(), "mount a 1 MiB tmpfs (the tests run as root)");
+    let (c, e) = install_code(&bundle, &vectors().join("base.img"), &out, Some(&public));
+    let listed = entries(&out);
+    let _ = Command::new("umount").arg(&out).status();
+    assert_eq!(c, Some(1), "{e}");
+    assert!(
+        e.contains("free") && e.contains("nothing was written"),
+        "{e}"
+    );
+    assert!(listed.is_empty(), "{listed:?}");
+}
