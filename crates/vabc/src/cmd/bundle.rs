@@ -41,7 +41,7 @@ enum Sub {
     /// signature and each base before writing; resumable.
     Install(InstallArgs),
     /// Make the new images from a bundle and the old ones (sizes and sha256 checked).
-    Apply(ApplyArgs),
+    Apply(InstallArgs),
 }
 
 #[derive(clap::Args)]
@@ -165,36 +165,18 @@ struct PlanArgs {
     json: bool,
 }
 
+/// Arguments of `install` and `apply`.
 #[derive(clap::Args)]
 struct InstallArgs {
     /// The bundle: a file, `-` for stdin, or an http:// or https:// URL (a cut
     /// download resumes with range requests).
     bundle: PathBuf,
-    /// A partition's base image (the old image on the device). Every partition of the
+    /// A partition's base image (its old image, on the device). Every partition of the
     /// bundle needs one.
     #[arg(short = 'b', long = "base", value_name = "NAME=PATH", required = true)]
     bases: Vec<String>,
-    /// Where to write NAME.cow and NAME.cow.manifest per partition.
-    #[arg(short = 'o', long = "out-dir", value_name = "DIR")]
-    out_dir: PathBuf,
-    #[command(flatten)]
-    key: KeyArgs,
-    /// Threads of the COW writer (0: one per CPU).
-    #[arg(long, default_value_t = 0)]
-    threads: usize,
-    /// Print a JSON report on stdout.
-    #[arg(long)]
-    json: bool,
-}
-
-#[derive(clap::Args)]
-struct ApplyArgs {
-    /// The bundle (`-` for stdin).
-    bundle: PathBuf,
-    /// A partition's old image. Every partition of the bundle needs one.
-    #[arg(short = 'b', long = "base", value_name = "NAME=PATH", required = true)]
-    bases: Vec<String>,
-    /// Where to write NAME.img per partition.
+    /// Where to write, per partition, NAME.cow and NAME.cow.manifest (install) or
+    /// NAME.img (apply).
     #[arg(short = 'o', long = "out-dir", value_name = "DIR")]
     out_dir: PathBuf,
     #[command(flatten)]
@@ -801,11 +783,14 @@ fn install_into(
         i += 1;
         let cow_path = out_dir.join(format!("{}.cow", part.name));
         let manifest_path = manifest::Manifest::path_for(&cow_path);
+        remove_stale(out_dir, &part.name)?;
         // An earlier run that was interrupted after this partition: keep its COW.
         if sha256_file(&cow_path).ok() == Some((part.cow.size, part.cow.sha256.clone())) {
             stream.finish()?;
             let sidecar = device_manifest(&part, &cow_path, base)?;
             crate::output::write_atomic(&manifest_path, sidecar.to_json().as_bytes())?;
+            // A run killed right after the rename may not have given it its mode.
+            crate::output::set_default_mode(&cow_path)?;
             done.push(Installed {
                 name: part.name.clone(),
                 cow: cow_path,
@@ -858,7 +843,6 @@ fn install_into(
         // Written under a temporary name and renamed only once its hash and the
         // payload's are right.
         let tmp_cow = out_dir.join(format!(".{}.cow.installing", part.name));
-        remove_stale(out_dir, &tmp_cow)?;
         crate::output::pending(&tmp_cow);
         let pos = stream.position();
         let replayer = bundle::data::Replayer::new(
@@ -969,17 +953,19 @@ fn device_manifest(p: &Partition, cow_path: &Path, base: &Path) -> Result<manife
     })
 }
 
-/// What an install killed while writing `tmp` left: `tmp` itself and the COW writer's
-/// temporary files beside it (`.NAME.*.tmp`, NAME being `tmp`'s file name).
-fn remove_stale(dir: &Path, tmp: &Path) -> Result<()> {
-    let Some(name) = tmp.file_name().map(|n| n.to_string_lossy().into_owned()) else {
-        return Ok(());
-    };
-    let writer_temp = format!(".{name}.");
+/// What an install killed while it worked on partition `name` left in `dir`: the COW
+/// being written (`.NAME.cow.installing`), the COW writer's temporary file beside it,
+/// and the manifest sidecar's (`.NAME.cow.manifest.*.tmp`).
+fn remove_stale(dir: &Path, name: &str) -> Result<()> {
+    let installing = format!(".{name}.cow.installing");
+    let writer_temp = format!(".{installing}.");
+    let sidecar_temp = format!(".{name}.cow.manifest.");
     for e in std::fs::read_dir(dir).with_context(|| format!("list {}", dir.display()))? {
         let e = e.with_context(|| format!("list {}", dir.display()))?;
         let f = e.file_name().to_string_lossy().into_owned();
-        if f == name || (f.starts_with(&writer_temp) && f.ends_with(".tmp")) {
+        let temp =
+            f.ends_with(".tmp") && (f.starts_with(&writer_temp) || f.starts_with(&sidecar_temp));
+        if f == installing || temp {
             std::fs::remove_file(e.path())
                 .with_context(|| format!("remove the stale {}", e.path().display()))?;
         }
@@ -1041,7 +1027,7 @@ fn free_bytes(dir: &Path) -> Result<u64> {
     Ok(st.f_bavail as u64 * st.f_frsize as u64)
 }
 
-fn apply(a: ApplyArgs) -> Result<ExitCode> {
+fn apply(a: InstallArgs) -> Result<ExitCode> {
     let key = a.key.load()?;
     if !a.out_dir.is_dir() {
         bail!("--out-dir {}: not a directory", a.out_dir.display());
