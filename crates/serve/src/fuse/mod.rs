@@ -407,7 +407,7 @@ fn clone_dev_fuse(fuse: &File, dir: &Path) -> Result<File> {
     let session = fuse.as_raw_fd() as u32;
     // SAFETY: FUSE_DEV_IOC_CLONE reads one u32 (the session's fd) from the pointer,
     // which points at a live local for the duration of the call.
-    let rc = unsafe { libc::ioctl(clone.as_raw_fd(), FUSE_DEV_IOC_CLONE, &session) };
+    let rc = unsafe { libc::ioctl(clone.as_raw_fd(), FUSE_DEV_IOC_CLONE as _, &session) };
     if rc < 0 {
         return Err(io_err("clone the /dev/fuse connection of", dir)(
             io::Error::last_os_error(),
