@@ -20,8 +20,6 @@ pub struct RangeReader {
     body: Option<Box<dyn Read + Send>>,
     /// Reconnections since the last byte received.
     failures: u32,
-    /// Responses opened, for the tests and the report.
-    requests: u64,
 }
 
 impl std::fmt::Debug for RangeReader {
@@ -49,17 +47,10 @@ impl RangeReader {
             total: None,
             body: None,
             failures: 0,
-            requests: 0,
         }
     }
 
-    /// HTTP responses opened so far (one, unless connections were cut).
-    pub fn requests(&self) -> u64 {
-        self.requests
-    }
-
     fn connect(&mut self) -> io::Result<()> {
-        self.requests += 1;
         let mut req = self.agent.get(&self.url);
         if self.pos > 0 {
             req = req.header("Range", format!("bytes={}-", self.pos));

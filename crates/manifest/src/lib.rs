@@ -99,11 +99,11 @@ impl std::fmt::Display for Mismatch {
             Mismatch::TooSmall { size, want } => {
                 write!(f, "it has {size} bytes, {want} expected")
             }
-            Mismatch::Region { index, start, end } => write!(
-                f,
-                "bytes {start}..{end} (region {index} of {} MiB) differ",
-                REGION_SIZE >> 20
-            ),
+            // The range says the region's size: a bundle's regions are coarser than a
+            // COW manifest's.
+            Mismatch::Region { index, start, end } => {
+                write!(f, "bytes {start}..{end} (region {index}) differ")
+            }
         }
     }
 }

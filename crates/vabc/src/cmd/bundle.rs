@@ -698,6 +698,7 @@ fn plan(a: PlanArgs) -> Result<ExitCode> {
 #[derive(Serialize)]
 struct Installed {
     name: String,
+    base: PathBuf,
     cow: PathBuf,
     manifest: PathBuf,
     cow_size: u64,
@@ -773,14 +774,18 @@ fn install_into(
     }
     // Every base before the first byte is written: a wrong one names its first wrong
     // region, and nothing is written.
-    for (p, base) in r.manifest().partitions.iter().zip(&bases) {
-        check_base(p, base)?;
-    }
+    let base_ids = r
+        .manifest()
+        .partitions
+        .iter()
+        .zip(&bases)
+        .map(|(p, base)| check_base(p, base))
+        .collect::<Result<Vec<_>>>()?;
     check_space(r.manifest(), out_dir)?;
     let mut done = Vec::new();
     let mut i = 0;
     while let Some((part, mut stream)) = r.payload() {
-        let base = &bases[i];
+        let (base, base_id) = (&bases[i], &base_ids[i]);
         i += 1;
         let cow_path = out_dir.join(format!("{}.cow", part.name));
         let manifest_path = manifest::Manifest::path_for(&cow_path);
@@ -788,12 +793,13 @@ fn install_into(
         // An earlier run that was interrupted after this partition: keep its COW.
         if sha256_file(&cow_path).ok() == Some((part.cow.size, part.cow.sha256.clone())) {
             stream.finish()?;
-            let sidecar = device_manifest(&part, &cow_path, base)?;
+            let sidecar = device_manifest(&part, &cow_path, base, base_id)?;
             crate::output::write_atomic(&manifest_path, sidecar.to_json().as_bytes())?;
             // A run killed right after the rename may not have given it its mode.
             crate::output::set_default_mode(&cow_path)?;
             done.push(Installed {
                 name: part.name.clone(),
+                base: base.clone(),
                 cow: cow_path,
                 manifest: manifest_path,
                 cow_size: part.cow.size,
@@ -881,7 +887,7 @@ fn install_into(
             let _ = std::fs::remove_file(&tmp_cow);
             return Err(e.context(format!("install partition {} (nothing kept)", part.name)));
         }
-        let sidecar = match device_manifest(&part, &tmp_cow, base) {
+        let sidecar = match device_manifest(&part, &tmp_cow, base, base_id) {
             Ok(m) => m,
             Err(e) => {
                 let _ = std::fs::remove_file(&tmp_cow);
@@ -897,6 +903,7 @@ fn install_into(
         }
         done.push(Installed {
             name: part.name.clone(),
+            base: base.clone(),
             cow: cow_path,
             manifest: manifest_path,
             cow_size: part.cow.size,
@@ -907,9 +914,15 @@ fn install_into(
 }
 
 /// The manifest `vabc diff` would have written beside the COW: the bundle's, with the
-/// new image's region hashes and per-op hashes computed from the COW over the base (and
-/// the new image's sha256 checked against the bundle's).
-fn device_manifest(p: &Partition, cow_path: &Path, base: &Path) -> Result<manifest::Manifest> {
+/// base's 4 MiB identity from [`check_base`], and the new image's region hashes and
+/// per-op hashes computed from the COW over the base (the new image's sha256 checked
+/// against the bundle's).
+fn device_manifest(
+    p: &Partition,
+    cow_path: &Path,
+    base: &Path,
+    base_id: &manifest::ImageId,
+) -> Result<manifest::Manifest> {
     let cow = cow::CowReader::open(cow_path)?;
     let file = File::open(base).with_context(|| format!("cannot open base {}", base.display()))?;
     let view = cow::SnapshotView::new(&cow, &file, base, Some(p.image.new.size))?;
@@ -930,26 +943,10 @@ fn device_manifest(p: &Partition, cow_path: &Path, base: &Path) -> Result<manife
             p.image.new.sha256
         );
     }
-    // The base matched the bundle's coarse regions and sha256: its 4 MiB regions are
-    // the ones `vabc diff` recorded.
-    let base_id = if p.image.base.region_size == manifest::REGION_SIZE {
-        p.image.base.clone()
-    } else {
-        manifest::ImageId::compute(&file, base, p.image.base.size)?
-    };
-    if base_id.sha256 != p.image.base.sha256 {
-        mismatch!(
-            "{} changed while the bundle was installed (sha256 {}, the bundle's base has {}); \
-             nothing was kept",
-            base.display(),
-            base_id.sha256,
-            p.image.base.sha256
-        );
-    }
     Ok(manifest::Manifest {
         merged_op_hashes: Some(crate::checks::op_hashes(&cow, &read, cow_path)?),
         new,
-        base: base_id,
+        base: base_id.clone(),
         ..p.image.clone()
     })
 }
@@ -974,22 +971,33 @@ fn remove_stale(dir: &Path, name: &str) -> Result<()> {
     Ok(())
 }
 
-fn check_base(p: &Partition, base: &Path) -> Result<()> {
+/// Checks `base` against the bundle's identity of partition `p`'s base and returns
+/// its identity in 4 MiB regions, which the manifest sidecar records: one computation
+/// (it reads the base twice) compared by sha256; only a base that differs is compared
+/// region by region, to name where.
+fn check_base(p: &Partition, base: &Path) -> Result<manifest::ImageId> {
     let f = File::open(base).with_context(|| format!("cannot open base {}", base.display()))?;
     let size = cow::view::file_size(&f, base)?;
-    let found = p
-        .image
-        .base
+    let want = &p.image.base;
+    if size >= want.size {
+        let id = manifest::ImageId::compute(&f, base, want.size)
+            .with_context(|| format!("check the base {}", base.display()))?;
+        if id.sha256 == want.sha256 {
+            return Ok(id);
+        }
+    }
+    let found = want
         .first_mismatch(&f, base, size, |_| true)
         .with_context(|| format!("check the base {}", base.display()))?;
-    if let Some(m) = found {
-        mismatch!(
-            "{} is not the base partition {} of this bundle was made for: {m}; nothing was written",
-            base.display(),
-            p.name
-        );
-    }
-    Ok(())
+    let what = match found {
+        Some(m) => m.to_string(),
+        None => format!("its sha256 is not {}", want.sha256),
+    };
+    mismatch!(
+        "{} is not the base partition {} of this bundle was made for: {what}; nothing was written",
+        base.display(),
+        p.name
+    );
 }
 
 /// The COWs that still have to be written must fit in `dir`'s file system.
@@ -1040,17 +1048,12 @@ fn apply(a: InstallArgs) -> Result<ExitCode> {
     let done = install_into(&a.bundle, &a.bases, work.path(), &key, a.threads)?;
     let mut outputs = Vec::new();
     for d in &done {
-        let base_spec = a
-            .bases
-            .iter()
-            .find_map(|s| split_name(s, "--base").ok().filter(|(n, _)| *n == d.name))
-            .map(|(_, p)| PathBuf::from(p))
-            .with_context(|| format!("no --base for {}", d.name))?;
+        let base_spec = &d.base;
         let m = manifest::Manifest::load(&d.manifest)?;
         let cow = cow::CowReader::open(&d.cow)?;
-        let base = File::open(&base_spec)
+        let base = File::open(base_spec)
             .with_context(|| format!("cannot open base {}", base_spec.display()))?;
-        let view = cow::SnapshotView::new(&cow, &base, &base_spec, Some(m.new.size))?;
+        let view = cow::SnapshotView::new(&cow, &base, base_spec, Some(m.new.size))?;
         let out = a.out_dir.join(format!("{}.img", d.name));
         let tmp = crate::output::temp_beside(&out)?;
         tmp.as_file()
