@@ -71,6 +71,31 @@ pub struct Partition {
     pub plan: PlanCounts,
     /// Where its payload is and what it hashes to.
     pub payload: PayloadInfo,
+    /// The dm-verity tree of the new image (made with `--verity`): the device builds
+    /// the tree from the image it installed and checks its root against this one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verity: Option<VerityInfo>,
+}
+
+/// dm-verity parameters and root hash of a partition's new image, as `veritysetup
+/// format` takes and prints them; the tree itself is not shipped (about 0.8% of the
+/// image, and the device computes it from the image it has just proved by sha256).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VerityInfo {
+    /// Hash format: 1 (the default) or 0 (Chrome OS's original).
+    pub format: u32,
+    /// `sha256`, `sha1` or `sha512`.
+    pub hash_algorithm: String,
+    pub data_block_size: u32,
+    pub hash_block_size: u32,
+    /// Blocks of the new image the tree covers.
+    pub data_blocks: u64,
+    /// Salt, hex (empty for none).
+    pub salt: String,
+    /// UUID of the hash file's superblock.
+    pub uuid: String,
+    /// Root hash, hex.
+    pub root_hash: String,
 }
 
 /// The device-form COW: how it is written, and what it must come out as.

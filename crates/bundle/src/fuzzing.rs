@@ -166,6 +166,7 @@ pub fn sample(
             plan_length: 8 + plan_bytes.len() as u64,
             data_bytes,
         },
+        verity: None,
     })?;
     w.finish(key, "vabc fuzz sample")?;
     let bytes = std::fs::read(&out).map_err(crate::io_err(&out, "read", 0))?;

@@ -47,7 +47,7 @@ use std::path::PathBuf;
 
 pub use format::{
     BundleManifest, BundleReader, BundleWriter, CowParams, FORMAT_VERSION, HEADER_SIZE, MAGIC,
-    Partition, PayloadInfo, PlanCounts,
+    Partition, PayloadInfo, PlanCounts, VerityInfo,
 };
 
 /// Errors of reading, writing and checking bundles.

@@ -63,6 +63,10 @@ fn tiny_parts() -> [(&'static str, PathBuf, PathBuf); 2] {
 }
 
 fn create(parts: &[(&str, PathBuf, PathBuf)], out: &Path, key: Option<&Path>) {
+    create_with(parts, out, key, &[]);
+}
+
+fn create_with(parts: &[(&str, PathBuf, PathBuf)], out: &Path, key: Option<&Path>, extra: &[&str]) {
     let specs: Vec<String> = parts
         .iter()
         .map(|(n, o, w)| format!("{n}={},{}", o.display(), w.display()))
@@ -75,6 +79,7 @@ fn create(parts: &[(&str, PathBuf, PathBuf)], out: &Path, key: Option<&Path>) {
         Some(k) => args.extend(["--key", s(k)]),
         None => args.push("--unsigned"),
     }
+    args.extend(extra);
     ok(&args);
 }
 
@@ -336,7 +341,7 @@ fn an_install_killed_at_any_point_resumes_to_the_exact_cows() {
     let (key, public) = keys(d.path(), "k");
     let parts = tiny_parts();
     let bundle = d.path().join("u.vabc");
-    create(&parts, &bundle, Some(&key));
+    create_with(&parts, &bundle, Some(&key), &["--verity"]);
     let bases = base_args(&parts);
     let want = d.path().join("want");
     std::fs::create_dir(&want).unwrap();
@@ -373,13 +378,16 @@ fn an_install_killed_at_any_point_resumes_to_the_exact_cows() {
             [
                 "system.cow",
                 "system.cow.manifest",
+                "system.verity",
                 "vendor.cow",
-                "vendor.cow.manifest"
+                "vendor.cow.manifest",
+                "vendor.verity"
             ],
             "round {round}: leftovers"
         );
         for name in ["system", "vendor"] {
-            for f in [format!("{name}.cow"), format!("{name}.cow.manifest")] {
+            let files = ["cow", "cow.manifest", "verity"].map(|x| format!("{name}.{x}"));
+            for f in files {
                 assert_eq!(
                     std::fs::read(out.join(&f)).unwrap(),
                     std::fs::read(want.join(&f)).unwrap(),
@@ -388,6 +396,88 @@ fn an_install_killed_at_any_point_resumes_to_the_exact_cows() {
             }
         }
     }
+}
+
+#[test]
+fn a_verity_bundle_installs_the_tree_veritysetup_makes_and_checks_its_root() {
+    let d = tempfile::tempdir().unwrap();
+    let (key, public) = keys(d.path(), "k");
+    let parts = &tiny_parts()[..1];
+    let bundle = d.path().join("u.vabc");
+    let salt = "5a".repeat(32);
+    create_with(
+        parts,
+        &bundle,
+        Some(&key),
+        &["--verity", "--verity-salt", &salt],
+    );
+    let info = ok(&["bundle", "info", "--json", s(&bundle)]);
+    let info: serde_json::Value = serde_json::from_slice(&info.stdout).unwrap();
+    let v = &info["manifest"]["partitions"][0]["verity"];
+    assert_eq!(v["salt"], salt.as_str());
+    assert_eq!(v["hash_algorithm"], "sha256");
+    let (root, uuid) = (
+        v["root_hash"].as_str().unwrap(),
+        v["uuid"].as_str().unwrap(),
+    );
+
+    // The tree `vabc verity format` (veritysetup's bytes) makes of the new image with
+    // the same salt and UUID, and the same root hash.
+    let want = d.path().join("want.verity");
+    let f = ok(&[
+        "verity",
+        "format",
+        "--json",
+        "--salt",
+        &salt,
+        "--uuid",
+        uuid,
+        s(&parts[0].2),
+        s(&want),
+    ]);
+    let f: serde_json::Value = serde_json::from_slice(&f.stdout).unwrap();
+    assert_eq!(f["root_hash"], root);
+    let out = d.path().join("out");
+    std::fs::create_dir(&out).unwrap();
+    let (c, e) = install_code(&bundle, &parts[0].1, &out, Some(&public));
+    assert_eq!(c, Some(0), "{e}");
+    let tree = out.join("system.verity");
+    assert_eq!(std::fs::read(&tree).unwrap(), std::fs::read(&want).unwrap());
+
+    // A hash file of another update left under the name is made anew on resume.
+    let other = d.path().join("other.verity");
+    ok(&["verity", "format", s(&parts[0].2), s(&other)]);
+    std::fs::copy(&other, &tree).unwrap();
+    let (c, e) = install_code(&bundle, &parts[0].1, &out, Some(&public));
+    assert_eq!(c, Some(0), "{e}");
+    assert_eq!(std::fs::read(&tree).unwrap(), std::fs::read(&want).unwrap());
+
+    // The served image verifies against the signed root hash.
+    ok(&["verity", "verify", s(&parts[0].2), s(&tree), root]);
+
+    // apply leaves the tree beside the image.
+    let imgs = d.path().join("imgs");
+    std::fs::create_dir(&imgs).unwrap();
+    let b = format!("system={}", parts[0].1.display());
+    let a = ok(&[
+        "bundle",
+        "apply",
+        s(&bundle),
+        "-b",
+        &b,
+        "-o",
+        s(&imgs),
+        "--key",
+        s(&public),
+        "--json",
+    ]);
+    let a: serde_json::Value = serde_json::from_slice(&a.stdout).unwrap();
+    assert_eq!(a["partitions"][0]["root_hash"], root);
+    assert_eq!(entries(&imgs), ["system.img", "system.verity"]);
+    assert_eq!(
+        std::fs::read(imgs.join("system.verity")).unwrap(),
+        std::fs::read(&want).unwrap()
+    );
 }
 
 /// What a test server sent: (range start, bytes sent) per response.

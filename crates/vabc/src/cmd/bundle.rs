@@ -10,7 +10,9 @@ use std::process::ExitCode;
 use anyhow::{Context, Result, bail};
 use bundle::format::Trust;
 use bundle::sign::{PublicKey, SecretKey};
-use bundle::{BundleManifest, BundleReader, BundleWriter, CowParams, Partition, PayloadInfo};
+use bundle::{
+    BundleManifest, BundleReader, BundleWriter, CowParams, Partition, PayloadInfo, VerityInfo,
+};
 use cow::Compression;
 use delta::write::{CowOptions, write_cow};
 use delta::{BlockImage, ImageFile, PlanOptions};
@@ -91,6 +93,15 @@ struct CreateArgs {
     /// Threads (0: one per CPU).
     #[arg(long, default_value_t = 0)]
     threads: usize,
+    /// Record each new image's dm-verity root hash and tree parameters (sha256,
+    /// 4096-byte blocks, as `vabc verity format`): install then writes NAME.verity
+    /// beside each COW, checked against the signed root hash, for `vabc serve
+    /// --verity-hash` and the kernel's dm-verity.
+    #[arg(long)]
+    verity: bool,
+    /// Salt of the --verity trees, hex or "-" for none (default: 32 random bytes).
+    #[arg(long, value_name = "HEX|-", requires = "verity")]
+    verity_salt: Option<String>,
     /// Print a JSON report on stdout.
     #[arg(long)]
     json: bool,
@@ -254,6 +265,8 @@ struct PartReport {
     data_bytes: u64,
     cow_size: u64,
     ops: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    verity_root_hash: Option<String>,
 }
 
 fn part_report(p: &Partition) -> PartReport {
@@ -266,6 +279,7 @@ fn part_report(p: &Partition) -> PartReport {
         data_bytes: p.payload.data_bytes,
         cow_size: p.cow.size,
         ops: p.image.cow_ops,
+        verity_root_hash: p.verity.as_ref().map(|v| v.root_hash.clone()),
     }
 }
 
@@ -445,6 +459,24 @@ fn create_partition(
     // reads the new image through its COW once installed, computes them and checks the
     // whole image's sha256, which stays. The base's are coarse (bundle_region_size).
     image.new.regions.clear();
+    let verity = if a.verity {
+        let tree = work.join(format!("{name}.verity"));
+        let f = super::verity::format_default(new_path, &tree, a.verity_salt.as_deref())
+            .with_context(|| format!("verity tree of {}", new_path.display()))?;
+        std::fs::remove_file(&tree).with_context(|| format!("remove {}", tree.display()))?;
+        Some(VerityInfo {
+            format: f.params.format.as_u32(),
+            hash_algorithm: f.params.algorithm.name().to_string(),
+            data_block_size: f.params.data_block_size,
+            hash_block_size: f.params.hash_block_size,
+            data_blocks: f.params.data_blocks,
+            salt: hex::encode(&f.params.salt),
+            uuid: verity::format_uuid(&f.uuid),
+            root_hash: hex::encode(&f.root),
+        })
+    } else {
+        None
+    };
     let c = plan.census;
     Ok(Partition {
         name: name.to_string(),
@@ -471,6 +503,7 @@ fn create_partition(
             plan_length: 8 + plan_bytes.len() as u64,
             data_bytes,
         },
+        verity,
     })
 }
 
@@ -557,6 +590,16 @@ fn info(a: InfoArgs) -> Result<ExitCode> {
             p.cow.size,
             p.image.cow_ops
         );
+        if let Some(v) = &p.verity {
+            println!(
+                "    dm-verity: root hash {} ({}, {} data blocks of {}, salt {})",
+                v.root_hash,
+                v.hash_algorithm,
+                v.data_blocks,
+                v.data_block_size,
+                if v.salt.is_empty() { "-" } else { &v.salt }
+            );
+        }
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -602,6 +645,8 @@ struct PlanPart {
     base_mismatch: Option<String>,
     download_bytes: u64,
     cow_bytes: u64,
+    /// The dm-verity hash file install writes beside the COW (0 without --verity).
+    verity_bytes: u64,
     /// Bytes the merge writes into the base (every changed block) and reads (COPY and
     /// XOR sources, and the COW).
     merge_write_bytes: u64,
@@ -633,6 +678,7 @@ fn plan(a: PlanArgs) -> Result<ExitCode> {
             base_mismatch: found.map(|m| m.to_string()),
             download_bytes: p.payload.length,
             cow_bytes: p.cow.size,
+            verity_bytes: hashfile_bytes(p),
             merge_write_bytes: (c.copy + c.xor + c.zero + c.replace) * bs,
             merge_read_bytes: (c.copy + c.xor) * bs + p.cow.size,
         });
@@ -642,10 +688,11 @@ fn plan(a: PlanArgs) -> Result<ExitCode> {
     let sum = |f: fn(&PlanPart) -> u64| parts.iter().map(f).sum::<u64>();
     let download = sum(|p| p.download_bytes) + r.payload_start();
     let cow = sum(|p| p.cow_bytes);
+    let trees = sum(|p| p.verity_bytes);
     let merge_io = sum(|p| p.merge_write_bytes + p.merge_read_bytes);
     // Install: read every base once (the check), write the COWs; merge: its reads and
     // writes (flushes and seeks not counted: a lower bound).
-    let install_s = (read + cow) as f64 / 1e6 / speed;
+    let install_s = (read + cow + trees) as f64 / 1e6 / speed;
     let merge_s = merge_io as f64 / 1e6 / speed;
     let all_ok = parts.iter().all(|p| p.base_ok);
     if a.json {
@@ -655,6 +702,7 @@ fn plan(a: PlanArgs) -> Result<ExitCode> {
             "bases_ok": all_ok,
             "download_bytes": download,
             "cow_bytes": cow,
+            "verity_bytes": trees,
             "merge_io_bytes": merge_io,
             "speed_mb_s": speed,
             "speed_measured": a.speed.is_none(),
@@ -679,8 +727,9 @@ fn plan(a: PlanArgs) -> Result<ExitCode> {
             );
         }
         println!(
-            "total: download {download} bytes, COW space {cow} bytes; at {speed:.0} MB/s ({}): \
+            "total: download {download} bytes, COW space {} bytes; at {speed:.0} MB/s ({}): \
              install ~{install_s:.1} s, merge ~{merge_s:.1} s (lower bounds)",
+            cow + trees,
             if a.speed.is_none() {
                 "measured reading the bases"
             } else {
@@ -702,6 +751,12 @@ struct Installed {
     cow: PathBuf,
     manifest: PathBuf,
     cow_size: u64,
+    /// The dm-verity hash file of the new image (bundles made with --verity).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    verity: Option<PathBuf>,
+    /// Its root hash, hex (the signed manifest's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    root_hash: Option<String>,
     /// False when an earlier, interrupted install had already finished it.
     written: bool,
 }
@@ -749,10 +804,15 @@ fn install(a: InstallArgs) -> Result<Vec<Installed>> {
     } else {
         for d in &done {
             println!(
-                "{}: {} ({} bytes){}",
+                "{}: {} ({} bytes){}{}",
                 d.name,
                 d.cow.display(),
                 d.cow_size,
+                match (&d.verity, &d.root_hash) {
+                    (Some(t), Some(r)) =>
+                        format!(", dm-verity tree {}, root hash {r}", t.display()),
+                    _ => String::new(),
+                },
                 if d.written { "" } else { ", already installed" }
             );
         }
@@ -794,6 +854,13 @@ fn install_into(
         if sha256_file(&cow_path).ok() == Some((part.cow.size, part.cow.sha256.clone())) {
             stream.finish()?;
             let sidecar = device_manifest(&part, &cow_path, base, base_id)?;
+            let verity = match &part.verity {
+                Some(v) if !has_hashfile(v, &out_dir.join(format!("{}.verity", part.name))) => {
+                    Some(install_verity(&part, v, &cow_path, base, out_dir)?)
+                }
+                Some(_) => Some(out_dir.join(format!("{}.verity", part.name))),
+                None => None,
+            };
             crate::output::write_atomic(&manifest_path, sidecar.to_json().as_bytes())?;
             // A run killed right after the rename may not have given it its mode.
             crate::output::set_default_mode(&cow_path)?;
@@ -803,6 +870,8 @@ fn install_into(
                 cow: cow_path,
                 manifest: manifest_path,
                 cow_size: part.cow.size,
+                verity,
+                root_hash: part.verity.as_ref().map(|v| v.root_hash.clone()),
                 written: false,
             });
             continue;
@@ -887,7 +956,16 @@ fn install_into(
             let _ = std::fs::remove_file(&tmp_cow);
             return Err(e.context(format!("install partition {} (nothing kept)", part.name)));
         }
-        let sidecar = match device_manifest(&part, &tmp_cow, base, base_id) {
+        // The hash file before the COW's rename: a kept COW always has its tree.
+        let proved = device_manifest(&part, &tmp_cow, base, base_id).and_then(|m| {
+            let tree = part
+                .verity
+                .as_ref()
+                .map(|v| install_verity(&part, v, &tmp_cow, base, out_dir))
+                .transpose()?;
+            Ok((m, tree))
+        });
+        let (sidecar, verity) = match proved {
             Ok(m) => m,
             Err(e) => {
                 let _ = std::fs::remove_file(&tmp_cow);
@@ -907,6 +985,8 @@ fn install_into(
             cow: cow_path,
             manifest: manifest_path,
             cow_size: part.cow.size,
+            verity,
+            root_hash: part.verity.as_ref().map(|v| v.root_hash.clone()),
             written: true,
         });
     }
@@ -951,18 +1031,104 @@ fn device_manifest(
     })
 }
 
+/// The new image read through a COW, as the dm-verity tree builder reads its data.
+struct ViewAt<'a>(cow::SnapshotView<'a>);
+
+impl verity::ReadAt for ViewAt<'_> {
+    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        let bs = cow::BLOCK_SIZE as u64;
+        if !offset.is_multiple_of(bs) {
+            return Err(std::io::Error::other(format!(
+                "read at {offset}, not a multiple of {bs}"
+            )));
+        }
+        self.0
+            .read_blocks(offset / bs, buf)
+            .map_err(std::io::Error::other)
+    }
+}
+
+/// Tree parameters of a signed [`VerityInfo`].
+fn verity_params(v: &VerityInfo) -> Result<(verity::Params, [u8; 16])> {
+    let params = verity::Params {
+        format: verity::Format::from_u32(v.format)?,
+        algorithm: v.hash_algorithm.parse()?,
+        data_block_size: v.data_block_size,
+        hash_block_size: v.hash_block_size,
+        data_blocks: v.data_blocks,
+        salt: hex::decode(&v.salt).context("the salt is not hex")?,
+    };
+    params.validate()?;
+    Ok((params, verity::parse_uuid(&v.uuid)?))
+}
+
+/// Whether `path` holds the superblock of the tree `v` describes (its UUID is made
+/// anew for every bundle): left by an install of this bundle that was cut short.
+fn has_hashfile(v: &VerityInfo, path: &Path) -> bool {
+    let mut b = vec![0u8; verity::SUPERBLOCK_SIZE as usize];
+    let read = File::open(path).and_then(|mut f| f.read_exact(&mut b));
+    read.is_ok()
+        && verity::Superblock::decode(&b, path, 0).is_ok_and(|sb| {
+            verity::format_uuid(&sb.uuid) == v.uuid && hex::encode(&sb.params.salt) == v.salt
+        })
+}
+
+/// Writes `out_dir/NAME.verity`: the dm-verity tree of partition `p`'s new image, read
+/// through `cow_path` over `base`, with the signed parameters; its root hash must be
+/// the signed one.
+fn install_verity(
+    p: &Partition,
+    v: &VerityInfo,
+    cow_path: &Path,
+    base: &Path,
+    out_dir: &Path,
+) -> Result<PathBuf> {
+    let (params, uuid) =
+        verity_params(v).with_context(|| format!("partition {}: verity parameters", p.name))?;
+    let cow = cow::CowReader::open(cow_path)?;
+    let file = File::open(base).with_context(|| format!("cannot open base {}", base.display()))?;
+    let view = ViewAt(cow::SnapshotView::new(
+        &cow,
+        &file,
+        base,
+        Some(p.image.new.size),
+    )?);
+    let input = verity::Input {
+        reader: &view,
+        name: cow_path,
+        len: p.image.new.size,
+    };
+    let path = out_dir.join(format!("{}.verity", p.name));
+    let f = super::verity::write_hashfile(input, params, uuid, &path)?;
+    if hex::encode(&f.root) != v.root_hash {
+        let _ = std::fs::remove_file(&path);
+        mismatch!(
+            "partition {}: the dm-verity tree of the installed image has root hash {}, the \
+             bundle says {}; nothing was kept",
+            p.name,
+            hex::encode(&f.root),
+            v.root_hash
+        );
+    }
+    Ok(path)
+}
+
 /// What an install killed while it worked on partition `name` left in `dir`: the COW
 /// being written (`.NAME.cow.installing`), the COW writer's temporary file beside it,
-/// and the manifest sidecar's (`.NAME.cow.manifest.*.tmp`).
+/// the manifest sidecar's (`.NAME.cow.manifest.*.tmp`) and the hash file's
+/// (`.NAME.verity.*.tmp`).
 fn remove_stale(dir: &Path, name: &str) -> Result<()> {
     let installing = format!(".{name}.cow.installing");
     let writer_temp = format!(".{installing}.");
     let sidecar_temp = format!(".{name}.cow.manifest.");
+    let tree_temp = format!(".{name}.verity.");
     for e in std::fs::read_dir(dir).with_context(|| format!("list {}", dir.display()))? {
         let e = e.with_context(|| format!("list {}", dir.display()))?;
         let f = e.file_name().to_string_lossy().into_owned();
-        let temp =
-            f.ends_with(".tmp") && (f.starts_with(&writer_temp) || f.starts_with(&sidecar_temp));
+        let temp = f.ends_with(".tmp")
+            && [&writer_temp, &sidecar_temp, &tree_temp]
+                .iter()
+                .any(|p| f.starts_with(p.as_str()));
         if f == installing || temp {
             std::fs::remove_file(e.path())
                 .with_context(|| format!("remove the stale {}", e.path().display()))?;
@@ -1000,7 +1166,20 @@ fn check_base(p: &Partition, base: &Path) -> Result<manifest::ImageId> {
     );
 }
 
-/// The COWs that still have to be written must fit in `dir`'s file system.
+/// Bytes of the dm-verity hash file install writes for `p` (superblock and tree).
+fn hashfile_bytes(p: &Partition) -> u64 {
+    p.verity
+        .as_ref()
+        .and_then(|v| verity_params(v).ok())
+        .and_then(|(params, _)| {
+            let tree = params.layout().ok()?.tree_size();
+            Some(verity::tree_offset(0, true, params.hash_block_size) + tree)
+        })
+        .unwrap_or(0)
+}
+
+/// The COWs (and hash files) that still have to be written must fit in `dir`'s file
+/// system.
 fn check_space(m: &BundleManifest, dir: &Path) -> Result<()> {
     let need: u64 = m
         .partitions
@@ -1009,7 +1188,7 @@ fn check_space(m: &BundleManifest, dir: &Path) -> Result<()> {
             let cow = dir.join(format!("{}.cow", p.name));
             std::fs::metadata(cow).map(|md| md.len()).ok() != Some(p.cow.size)
         })
-        .map(|p| p.cow.size)
+        .map(|p| p.cow.size + hashfile_bytes(p))
         .sum();
     let free = free_bytes(dir)?;
     if free < need {
@@ -1071,12 +1250,20 @@ fn apply(a: InstallArgs) -> Result<ExitCode> {
             );
         }
         crate::output::commit(tmp, &out)?;
-        outputs.push(serde_json::json!({
+        let mut o = serde_json::json!({
             "name": d.name,
             "image": out,
             "size": m.new.size,
             "sha256": m.new.sha256,
-        }));
+        });
+        if let (Some(tree), Some(root)) = (&d.verity, &d.root_hash) {
+            let dest = a.out_dir.join(format!("{}.verity", d.name));
+            std::fs::rename(tree, &dest)
+                .with_context(|| format!("rename {} to {}", tree.display(), dest.display()))?;
+            o["verity"] = serde_json::json!(dest);
+            o["root_hash"] = serde_json::json!(root);
+        }
+        outputs.push(o);
     }
     if a.json {
         let out = serde_json::json!({
@@ -1088,11 +1275,15 @@ fn apply(a: InstallArgs) -> Result<ExitCode> {
     } else {
         for o in &outputs {
             println!(
-                "{}: {} ({} bytes, sha256 {})",
+                "{}: {} ({} bytes, sha256 {}){}",
                 o["name"].as_str().unwrap_or_default(),
                 o["image"].as_str().unwrap_or_default(),
                 o["size"],
-                o["sha256"].as_str().unwrap_or_default()
+                o["sha256"].as_str().unwrap_or_default(),
+                match (o["verity"].as_str(), o["root_hash"].as_str()) {
+                    (Some(t), Some(r)) => format!(", dm-verity tree {t}, root hash {r}"),
+                    _ => String::new(),
+                }
             );
         }
     }

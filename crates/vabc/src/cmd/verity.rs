@@ -212,9 +212,25 @@ pub(crate) fn format_default(
         format: None,
     };
     let params = opts.params(data_len, || Ok(verity::random_bytes(32)?))?;
+    let input = Input {
+        reader: &data_file,
+        name: data,
+        len: data_len,
+    };
+    write_hashfile(input, params, verity::random_uuid()?, hashfile)
+}
+
+/// Writes a superblock (`params`, `uuid`) and the tree of `input` under it to
+/// `hashfile` (a temporary file renamed into place), as `veritysetup format` with
+/// those parameters does.
+pub(crate) fn write_hashfile(
+    input: Input<'_>,
+    params: Params,
+    uuid: [u8; 16],
+    hashfile: &Path,
+) -> Result<Formatted> {
     let layout = params.layout()?;
-    let uuid = verity::random_uuid()?;
-    let tree_off = opts.tree_offset(&params);
+    let tree_off = verity::tree_offset(0, true, params.hash_block_size);
     let tmp = crate::output::temp_beside(hashfile)?;
     let sb = Superblock {
         params: params.clone(),
@@ -224,11 +240,6 @@ pub(crate) fn format_default(
     area.resize(tree_off as usize, 0);
     std::os::unix::fs::FileExt::write_all_at(tmp.as_file(), &area, 0)
         .with_context(|| format!("write superblock to {}", tmp.path().display()))?;
-    let input = Input {
-        reader: &data_file,
-        name: data,
-        len: data_len,
-    };
     let mut w = tmp.as_file();
     let root = verity::build_tree(input, &params, &mut w, tmp.path(), tree_off, None)?;
     tmp.as_file()
