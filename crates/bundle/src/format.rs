@@ -533,6 +533,19 @@ impl<R: Read> PayloadStream<'_, R> {
     }
 }
 
+impl<R: crate::Source> PayloadStream<'_, R> {
+    /// Passes over what is left of the payload without reading it (a file seeks, a
+    /// download asks for the next range): for a partition an earlier install
+    /// finished, whose COW is checked by its own signed sha256 instead.
+    pub fn skip(mut self) -> Result<()> {
+        let (at, left) = (self.position(), self.inner.limit());
+        self.inner
+            .get_mut()
+            .skip(left)
+            .map_err(io_err(&self.path, "pass over the payload", at))
+    }
+}
+
 fn read_full(
     input: &mut impl Read,
     buf: &mut [u8],

@@ -50,6 +50,26 @@ impl RangeReader {
         }
     }
 
+    /// Moves `n` bytes forward: the open response is dropped and the next read asks
+    /// for the range from there.
+    pub(crate) fn jump(&mut self, n: u64) -> io::Result<()> {
+        let to = self
+            .pos
+            .checked_add(n)
+            .ok_or_else(|| io::Error::other("offset overflow"))?;
+        if self.total.is_some_and(|t| to > t) {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!("GET {}: {to} is past the end", self.url),
+            ));
+        }
+        if n > 0 {
+            self.pos = to;
+            self.body = None;
+        }
+        Ok(())
+    }
+
     fn connect(&mut self) -> io::Result<()> {
         let mut req = self.agent.get(&self.url);
         if self.pos > 0 {

@@ -41,6 +41,7 @@ pub mod fuzzing;
 pub mod http;
 pub mod plan_wire;
 pub mod sign;
+pub mod source;
 
 use std::io;
 use std::path::PathBuf;
@@ -49,6 +50,7 @@ pub use format::{
     BundleManifest, BundleReader, BundleWriter, CowParams, FORMAT_VERSION, HEADER_SIZE, MAGIC,
     Partition, PayloadInfo, PlanCounts, VerityInfo,
 };
+pub use source::Source;
 
 /// Errors of reading, writing and checking bundles.
 #[derive(Debug, thiserror::Error)]

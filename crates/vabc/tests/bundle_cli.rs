@@ -543,7 +543,7 @@ fn a_download_cut_mid_way_resumes_where_it_stopped() {
     create(&parts, &bundle, Some(&key));
     let data = std::fs::read(&bundle).unwrap();
     let len = data.len();
-    let (url, log) = http_server(data, 3, len / 5);
+    let (url, served) = http_server(data, 3, len / 5);
     let out = d.path().join("out");
     std::fs::create_dir(&out).unwrap();
     let bases = base_args(&parts);
@@ -558,7 +558,7 @@ fn a_download_cut_mid_way_resumes_where_it_stopped() {
     ];
     args.extend(bases.iter().map(String::as_str));
     ok(&args);
-    let log = log.lock().unwrap().clone();
+    let log = served.lock().unwrap().clone();
     // Four responses, each from where the one before stopped: no byte twice.
     assert_eq!(log.len(), 4, "{log:?}");
     let mut at = 0;
@@ -592,6 +592,35 @@ fn a_download_cut_mid_way_resumes_where_it_stopped() {
             "{f}"
         );
     }
+
+    // Resumed after the first partition: its payload is not fetched again; the
+    // download asks for the second's range (the last payload, ending the file).
+    std::fs::remove_file(out.join("vendor.cow")).unwrap();
+    let before = log.len();
+    let mut args = vec![
+        "bundle",
+        "install",
+        &url,
+        "-o",
+        s(&out),
+        "--key",
+        s(&public),
+    ];
+    args.extend(bases.iter().map(String::as_str));
+    let o = ok(&args);
+    assert!(String::from_utf8_lossy(&o.stdout).contains("already installed"));
+    let info = ok(&["bundle", "info", "--json", s(&bundle)]);
+    let info: serde_json::Value = serde_json::from_slice(&info.stdout).unwrap();
+    let vendor_len = info["manifest"]["partitions"][1]["payload"]["length"]
+        .as_u64()
+        .unwrap() as usize;
+    let log = served.lock().unwrap().clone();
+    let starts: Vec<u64> = log[before..].iter().map(|&(start, _)| start).collect();
+    assert_eq!(starts, [0, (len - vendor_len) as u64], "{log:?}");
+    assert_eq!(
+        std::fs::read(out.join("vendor.cow")).unwrap(),
+        std::fs::read(want.join("vendor.cow")).unwrap()
+    );
 }
 
 #[test]

@@ -519,14 +519,15 @@ fn bundle_region_size(size: u64) -> u64 {
 /// The bundle named on the command line, as a stream: a file, `-` for stdin, or an
 /// `http://` / `https://` URL (fetched with range requests that resume a cut
 /// connection).
-fn open_input(path: &Path) -> Result<Box<dyn Read + Send>> {
+fn open_input(path: &Path) -> Result<Box<dyn bundle::Source>> {
     if path == Path::new("-") {
         return Ok(Box::new(std::io::stdin()));
     }
     let text = path.to_string_lossy();
     if text.starts_with("http://") || text.starts_with("https://") {
+        // Smaller than a file's buffer: a payload passed over is not fetched.
         return Ok(Box::new(std::io::BufReader::with_capacity(
-            1 << 20,
+            256 << 10,
             bundle::http::RangeReader::new(&text),
         )));
     }
@@ -852,7 +853,7 @@ fn install_into(
         remove_stale(out_dir, &part.name)?;
         // An earlier run that was interrupted after this partition: keep its COW.
         if sha256_file(&cow_path).ok() == Some((part.cow.size, part.cow.sha256.clone())) {
-            stream.finish()?;
+            stream.skip()?;
             let sidecar = device_manifest(&part, &cow_path, base, base_id)?;
             let verity = match &part.verity {
                 Some(v) if !has_hashfile(v, &out_dir.join(format!("{}.verity", part.name))) => {

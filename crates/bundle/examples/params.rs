@@ -1,0 +1,113 @@
+//! Experiment: zstd parameter sets on a sample of the bundle's frames (every STEP-th
+//! frame of 1024 blocks against 16 KiB windows of the old image), bytes and seconds
+//! for each. Usage: params OLD NEW (env STEP, default 8).
+use delta::{BlockImage, BlockOp, ImageFile, NoProgress, PlanOptions};
+use zstd::zstd_safe::{CParameter, Strategy};
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args: Vec<String> = std::env::args().collect();
+    let old = ImageFile::open(args[1].as_ref(), false)?;
+    let new = ImageFile::open(args[2].as_ref(), false)?;
+    let step: usize = std::env::var("STEP")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(8);
+    let plan = delta::plan(&old, &new, &PlanOptions::default(), &NoProgress)?;
+    let bs = 4096u64;
+    let margin = 16u64 << 10;
+    let data: Vec<_> = plan
+        .ops
+        .iter()
+        .filter(|p| matches!(p.op, BlockOp::Xor { .. } | BlockOp::Replace))
+        .collect();
+    let mut frames = Vec::new();
+    for chunk in data.chunks(1024).step_by(step) {
+        let mut wins: Vec<(u64, u64)> = chunk
+            .iter()
+            .map(|p| {
+                let c = bundle::data::context_offset(&plan, p.dst).unwrap_or(0);
+                (c.saturating_sub(margin), (c + bs + margin).min(old.size()))
+            })
+            .collect();
+        wins.sort();
+        let mut merged: Vec<(u64, u64)> = Vec::new();
+        for (a, b) in wins {
+            match merged.last_mut() {
+                Some(l) if a <= l.1 => l.1 = l.1.max(b),
+                _ => merged.push((a, b)),
+            }
+        }
+        let mut prefix = Vec::new();
+        for (a, b) in merged {
+            let at = prefix.len();
+            prefix.resize(at + (b - a) as usize, 0);
+            old.read_exact_at(&mut prefix[at..], a)?;
+        }
+        let mut content = vec![0u8; chunk.len() * 4096];
+        for (i, p) in chunk.iter().enumerate() {
+            new.read_exact_at(&mut content[i * 4096..(i + 1) * 4096], p.dst * bs)?;
+        }
+        frames.push((prefix, content));
+    }
+    println!(
+        "{} data blocks, {} frames sampled (every {step})",
+        data.len(),
+        frames.len()
+    );
+    let sets = std::env::var("SETS").unwrap_or("19".into());
+    for set in sets.split(';') {
+        // level[,strategy][,slog][,tlen][,clog][,hlog][,mml]
+        let f: Vec<i32> = set.split(',').map(|x| x.parse().unwrap()).collect();
+        let t = std::time::Instant::now();
+        let mut total = 0;
+        for (prefix, content) in &frames {
+            let mut c = zstd::bulk::Compressor::new(f[0])?;
+            c.set_parameter(CParameter::WindowLog(26))?;
+            let strat = [
+                Strategy::ZSTD_fast,
+                Strategy::ZSTD_fast,
+                Strategy::ZSTD_dfast,
+                Strategy::ZSTD_greedy,
+                Strategy::ZSTD_lazy,
+                Strategy::ZSTD_lazy2,
+                Strategy::ZSTD_btlazy2,
+                Strategy::ZSTD_btopt,
+                Strategy::ZSTD_btultra,
+                Strategy::ZSTD_btultra2,
+            ];
+            let ps = [
+                |v| CParameter::SearchLog(v),
+                |v| CParameter::TargetLength(v),
+                |v| CParameter::ChainLog(v),
+                |v| CParameter::HashLog(v),
+                |v| CParameter::MinMatch(v),
+            ];
+            if let Some(&s) = f.get(1).filter(|&&s| s > 0) {
+                c.set_parameter(CParameter::Strategy(strat[s as usize]))?;
+            }
+            for (i, p) in ps.iter().enumerate() {
+                if let Some(&v) = f.get(2 + i).filter(|&&v| v > 0) {
+                    c.set_parameter(p(v as u32))?;
+                }
+            }
+            c.context_mut()
+                .ref_prefix(prefix)
+                .map_err(|e| std::io::Error::other(format!("{e}")))?;
+            let t1 = std::time::Instant::now();
+            let n = c.compress(content)?.len();
+            if std::env::var("PER_FRAME").is_ok() {
+                println!(
+                    "  frame prefix {} KiB: {n} bytes {:.2} s",
+                    prefix.len() >> 10,
+                    t1.elapsed().as_secs_f64()
+                );
+            }
+            total += n;
+        }
+        println!(
+            "{set:>24}: {total:>10} bytes {:>6.1} s",
+            t.elapsed().as_secs_f64()
+        );
+    }
+    Ok(())
+}
