@@ -1,0 +1,622 @@
+//! The device side of an update: what state it is in, kept where a power cut cannot
+//! make it lie.
+//!
+//! A **store** is a folder on a data partition holding the update's COWs, their
+//! manifests and dm-verity trees, and one small file, `state`, which says what the
+//! device is doing:
+//!
+//! ```text
+//!             install                 boot (attempts <= max)       mark-good
+//!   none ───────────────▶ installing ─────▶ installed ◀────┐ ───────────────▶ merging
+//!    ▲  ◀─── rollback ────┘   (done)          │   │ boot: attempts+1         │ merge done
+//!    │  ◀─── rollback ────────────────────────┘   │                          ▼
+//!    │  ◀─── boot: attempts > max (rolled back) ──┘                        merged
+//!    └──────────────────────────── boot: COWs removed ◀──────────────────────┘
+//! ```
+//!
+//! Each arrow is one durable step ([`Store::save`]: a temporary file written and
+//! fsynced, renamed over `state`, the folder fsynced), so after a power cut the file
+//! holds either the state before a step or the one after it, and every state has
+//! exactly one thing to do at the next boot ([`State::on_boot`]):
+//!
+//! | state | the device boots | and then |
+//! |---|---|---|
+//! | none | the base | nothing |
+//! | installing | the base (the old system) | `install` again resumes it; `rollback` drops it |
+//! | installed | base + COW, after counting the attempt | `mark-good` starts the merge; `max_boot_attempts` failed boots roll back |
+//! | merging | base + COW, the merge resuming at once | the merge's own progress (in the COW) is crash-safe |
+//! | merged | the base (now the new image) | the COWs are removed, state none |
+//!
+//! Rolling back is allowed until the merge starts: before it the base is untouched.
+//!
+//! The store is used through an open descriptor of its folder (`openat`,
+//! `renameat`): a daemon started in an initramfs keeps reaching its store after the
+//! switch to the real root has moved or hidden the mount it was opened through.
+//! `rustix` gives those calls without unsafe code; `std` has no `*at` calls.
+
+use std::io::{Read, Write};
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+
+use rustix::fs::{Mode, OFlags};
+use serde::{Deserialize, Serialize};
+
+/// Version of the state file's layout; a newer one is refused, not guessed at.
+pub const STATE_SCHEMA: u32 = 1;
+
+/// Name of the state file in a store.
+pub const STATE_FILE: &str = "state";
+
+/// Largest state file read (a state of a few partitions is a few KiB).
+const MAX_STATE: u64 = 1 << 20;
+
+/// Errors of the update state, each naming the store and what was being done.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum UpdateError {
+    #[error("{path}: cannot {op}: {source}")]
+    Io {
+        path: PathBuf,
+        op: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
+        "{path}: no state file: not an update store (make one with `vabc update init`), or \
+         its state was lost; nothing was changed"
+    )]
+    NoState { path: PathBuf },
+    #[error("{path}: the state file is damaged: {msg}; nothing was changed")]
+    Corrupt { path: PathBuf, msg: String },
+    #[error(
+        "{path}: the state file has layout version {version}, newer than this vabc's \
+         ({STATE_SCHEMA}); use the vabc that wrote it; nothing was changed"
+    )]
+    Newer { path: PathBuf, version: u32 },
+    #[error("{path}: {msg}")]
+    Refused { path: PathBuf, msg: String },
+}
+
+pub type Result<T> = std::result::Result<T, UpdateError>;
+
+/// One partition of an installed update.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PartitionState {
+    /// Partition name (`system`, ...), as in the bundle.
+    pub name: String,
+    /// The base: the partition's block device (or image file) the COW applies to and
+    /// the merge overwrites.
+    pub base: PathBuf,
+    /// The COW's file name in the store.
+    pub cow: String,
+    /// The dm-verity hash file's name in the store and its root hash, hex, when the
+    /// update carries them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verity: Option<VerityRef>,
+    /// Size and sha256 of the new image.
+    pub new_size: u64,
+    pub new_sha256: String,
+}
+
+/// A dm-verity tree in the store.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VerityRef {
+    pub file: String,
+    pub root_hash: String,
+}
+
+/// What is being installed or has been.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Update {
+    /// Tells updates apart: sha256 of the bundle's signed manifest, hex.
+    pub id: String,
+    /// Boots of the new system allowed without `mark-good` before it is rolled back.
+    pub max_boot_attempts: u32,
+    pub partitions: Vec<PartitionState>,
+}
+
+/// The device's update state.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "state", rename_all = "kebab-case")]
+pub enum State {
+    /// No update: boot the base.
+    None,
+    /// COWs are being written while the old system runs.
+    Installing { update: Update },
+    /// Installed: the next boots run the new system from base + COW; `boot_attempts`
+    /// of them have started without `mark-good`.
+    Installed { update: Update, boot_attempts: u32 },
+    /// Marked good: the COWs are being merged into the bases.
+    Merging { update: Update },
+    /// Merged: the bases are the new images; the COWs are garbage.
+    Merged { update: Update },
+}
+
+/// What a boot does, from [`State::on_boot`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BootAction {
+    /// Mount the bases.
+    Base,
+    /// Mount base + COW, served; `merge` when the merge must resume at once.
+    Snapshot { merge: bool },
+    /// Too many boots of the new system failed: drop the update and mount the bases.
+    RollBack,
+    /// The merge completed: remove the COWs and mount the bases.
+    CleanUp,
+}
+
+impl State {
+    /// The state's name, as the file and `status` spell it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            State::None => "none",
+            State::Installing { .. } => "installing",
+            State::Installed { .. } => "installed",
+            State::Merging { .. } => "merging",
+            State::Merged { .. } => "merged",
+        }
+    }
+
+    /// The update the state is about (none in [`State::None`]).
+    pub fn update(&self) -> Option<&Update> {
+        match self {
+            State::None => None,
+            State::Installing { update }
+            | State::Installed { update, .. }
+            | State::Merging { update }
+            | State::Merged { update } => Some(update),
+        }
+    }
+
+    /// What a boot in this state does, and the state to make durable before it acts
+    /// (the attempt counted; the update dropped; the store cleaned).
+    pub fn on_boot(&self) -> (BootAction, State) {
+        match self {
+            State::None | State::Installing { .. } => (BootAction::Base, self.clone()),
+            State::Installed {
+                update,
+                boot_attempts,
+            } if *boot_attempts >= update.max_boot_attempts => (BootAction::RollBack, State::None),
+            State::Installed {
+                update,
+                boot_attempts,
+            } => (
+                BootAction::Snapshot { merge: false },
+                State::Installed {
+                    update: update.clone(),
+                    boot_attempts: boot_attempts + 1,
+                },
+            ),
+            State::Merging { .. } => (BootAction::Snapshot { merge: true }, self.clone()),
+            State::Merged { .. } => (BootAction::CleanUp, State::None),
+        }
+    }
+
+    /// `install` of `update`: from none, or resuming the same update.
+    pub fn begin_install(&self, update: &Update) -> std::result::Result<State, String> {
+        match self {
+            State::None => Ok(State::Installing {
+                update: update.clone(),
+            }),
+            State::Installing { update: u } if u.id == update.id => Ok(self.clone()),
+            State::Installing { .. } => Err(
+                "another update is being installed: `vabc update rollback` drops it first".into(),
+            ),
+            State::Installed { update: u, .. } if u.id == update.id => {
+                Err("this update is installed already; boot it".into())
+            }
+            other => Err(format!(
+                "an update is {} already: finish it (or roll it back while that is allowed) first",
+                other.name()
+            )),
+        }
+    }
+
+    /// The install finished: the next boot runs the new system.
+    pub fn finish_install(&self) -> std::result::Result<State, String> {
+        match self {
+            State::Installing { update } => Ok(State::Installed {
+                update: update.clone(),
+                boot_attempts: 0,
+            }),
+            other => Err(format!("no install under way (the update is {})", other.name())),
+        }
+    }
+
+    /// `mark-good`: the new system works; merge.
+    pub fn mark_good(&self) -> std::result::Result<State, String> {
+        match self {
+            State::Installed { update, .. } => Ok(State::Merging {
+                update: update.clone(),
+            }),
+            State::Merging { .. } | State::Merged { .. } => {
+                Err(format!("already marked good (the update is {})", self.name()))
+            }
+            other => Err(format!(
+                "there is no installed update to mark good (the update is {})",
+                other.name()
+            )),
+        }
+    }
+
+    /// `rollback`: allowed until the merge starts.
+    pub fn roll_back(&self) -> std::result::Result<State, String> {
+        match self {
+            State::Installing { .. } | State::Installed { .. } => Ok(State::None),
+            State::None => Err("there is no update to roll back".into()),
+            State::Merging { .. } | State::Merged { .. } => Err(format!(
+                "the update is {}: the merge has overwritten the old image in place, so there \
+                 is nothing to roll back to",
+                self.name()
+            )),
+        }
+    }
+
+    /// The merge completed.
+    pub fn merged(&self) -> std::result::Result<State, String> {
+        match self {
+            State::Merging { update } => Ok(State::Merged {
+                update: update.clone(),
+            }),
+            other => Err(format!("no merge under way (the update is {})", other.name())),
+        }
+    }
+}
+
+/// The state file's layout.
+#[derive(Serialize, Deserialize)]
+struct StateFile {
+    schema_version: u32,
+    #[serde(flatten)]
+    state: State,
+}
+
+/// Parses a state file's bytes (`path` names it in errors).
+pub fn parse_state(bytes: &[u8], path: &Path) -> Result<State> {
+    let corrupt = |msg: String| UpdateError::Corrupt {
+        path: path.to_path_buf(),
+        msg,
+    };
+    let v: serde_json::Value =
+        serde_json::from_slice(bytes).map_err(|e| corrupt(format!("not JSON: {e}")))?;
+    let version = v
+        .get("schema_version")
+        .and_then(serde_json::Value::as_u64)
+        .ok_or_else(|| corrupt("no schema_version".into()))?;
+    if version > u64::from(STATE_SCHEMA) {
+        return Err(UpdateError::Newer {
+            path: path.to_path_buf(),
+            version: u32::try_from(version).unwrap_or(u32::MAX),
+        });
+    }
+    let f: StateFile = serde_json::from_value(v).map_err(|e| corrupt(e.to_string()))?;
+    Ok(f.state)
+}
+
+/// The state file's bytes for `state`.
+pub fn encode_state(state: &State) -> Vec<u8> {
+    let f = StateFile {
+        schema_version: STATE_SCHEMA,
+        state: state.clone(),
+    };
+    let mut v = serde_json::to_vec_pretty(&f).unwrap_or_default();
+    v.push(b'\n');
+    v
+}
+
+/// An update store: a folder, held open.
+#[derive(Debug)]
+pub struct Store {
+    dir: OwnedFd,
+    path: PathBuf,
+}
+
+impl Store {
+    /// Opens the store at `path` (which must exist).
+    pub fn open(path: &Path) -> Result<Store> {
+        let dir = rustix::fs::open(
+            path,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| UpdateError::Io {
+            path: path.to_path_buf(),
+            op: "open the store folder",
+            source: e.into(),
+        })?;
+        Ok(Store {
+            dir,
+            path: path.to_path_buf(),
+        })
+    }
+
+    /// Makes `path` a store in state none (the folder is created if missing); refuses
+    /// a folder that is one already.
+    pub fn init(path: &Path) -> Result<Store> {
+        std::fs::create_dir_all(path).map_err(|e| UpdateError::Io {
+            path: path.to_path_buf(),
+            op: "create the store folder",
+            source: e,
+        })?;
+        let store = Store::open(path)?;
+        if store.exists(STATE_FILE)? {
+            return Err(UpdateError::Refused {
+                path: path.to_path_buf(),
+                msg: "is an update store already (it has a state file)".into(),
+            });
+        }
+        store.save(&State::None)?;
+        Ok(store)
+    }
+
+    /// The store's path, as it was opened (it may not reach the folder any more after
+    /// a switch of root; the descriptor does).
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The descriptor of the store's folder.
+    pub fn dir(&self) -> &OwnedFd {
+        &self.dir
+    }
+
+    fn io(&self, op: &'static str) -> impl FnOnce(rustix::io::Errno) -> UpdateError + '_ {
+        move |e| UpdateError::Io {
+            path: self.path.clone(),
+            op,
+            source: e.into(),
+        }
+    }
+
+    /// Whether the store holds a file `name`.
+    pub fn exists(&self, name: &str) -> Result<bool> {
+        match rustix::fs::statat(&self.dir, name, rustix::fs::AtFlags::empty()) {
+            Ok(_) => Ok(true),
+            Err(rustix::io::Errno::NOENT) => Ok(false),
+            Err(e) => Err(self.io("stat a file of the store")(e)),
+        }
+    }
+
+    /// Opens the store's file `name` for reading.
+    pub fn open_file(&self, name: &str) -> Result<std::fs::File> {
+        rustix::fs::openat(&self.dir, name, OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty())
+            .map(std::fs::File::from)
+            .map_err(|e| UpdateError::Io {
+                path: self.path.join(name),
+                op: "open",
+                source: e.into(),
+            })
+    }
+
+    /// Opens the store's file `name` for reading and writing.
+    pub fn open_file_rw(&self, name: &str) -> Result<std::fs::File> {
+        rustix::fs::openat(&self.dir, name, OFlags::RDWR | OFlags::CLOEXEC, Mode::empty())
+            .map(std::fs::File::from)
+            .map_err(|e| UpdateError::Io {
+                path: self.path.join(name),
+                op: "open for writing",
+                source: e.into(),
+            })
+    }
+
+    /// The current state.
+    pub fn load(&self) -> Result<State> {
+        let path = self.path.join(STATE_FILE);
+        let file = match rustix::fs::openat(
+            &self.dir,
+            STATE_FILE,
+            OFlags::RDONLY | OFlags::CLOEXEC,
+            Mode::empty(),
+        ) {
+            Ok(fd) => std::fs::File::from(fd),
+            Err(rustix::io::Errno::NOENT) => {
+                return Err(UpdateError::NoState {
+                    path: self.path.clone(),
+                });
+            }
+            Err(e) => return Err(self.io("open the state file")(e)),
+        };
+        let mut bytes = Vec::new();
+        file.take(MAX_STATE + 1)
+            .read_to_end(&mut bytes)
+            .map_err(|e| UpdateError::Io {
+                path: path.clone(),
+                op: "read",
+                source: e,
+            })?;
+        if bytes.len() as u64 > MAX_STATE {
+            return Err(UpdateError::Corrupt {
+                path,
+                msg: format!("larger than {MAX_STATE} bytes"),
+            });
+        }
+        parse_state(&bytes, &path)
+    }
+
+    /// Makes `state` the store's state, durably: written to a temporary file, fsynced,
+    /// renamed over the state file, and the folder fsynced. A power cut leaves the
+    /// old state or the new one.
+    pub fn save(&self, state: &State) -> Result<()> {
+        let tmp = ".state.tmp";
+        let fd = rustix::fs::openat(
+            &self.dir,
+            tmp,
+            OFlags::WRONLY | OFlags::CREATE | OFlags::TRUNC | OFlags::CLOEXEC,
+            Mode::from_raw_mode(0o644),
+        )
+        .map_err(self.io("create the temporary state file"))?;
+        let mut f = std::fs::File::from(fd);
+        f.write_all(&encode_state(state))
+            .and_then(|()| f.sync_all())
+            .map_err(|e| UpdateError::Io {
+                path: self.path.join(tmp),
+                op: "write",
+                source: e,
+            })?;
+        drop(f);
+        rustix::fs::renameat(&self.dir, tmp, &self.dir, STATE_FILE)
+            .map_err(self.io("rename the new state file into place"))?;
+        rustix::fs::fsync(&self.dir).map_err(self.io("fsync the store folder"))
+    }
+
+    /// Removes the store's file `name` if it is there (the folder is fsynced by the
+    /// next [`Store::save`] or [`Store::sync`]).
+    pub fn remove(&self, name: &str) -> Result<()> {
+        match rustix::fs::unlinkat(&self.dir, name, rustix::fs::AtFlags::empty()) {
+            Ok(()) | Err(rustix::io::Errno::NOENT) => Ok(()),
+            Err(e) => Err(UpdateError::Io {
+                path: self.path.join(name),
+                op: "remove",
+                source: e.into(),
+            }),
+        }
+    }
+
+    /// Makes the folder's entries durable.
+    pub fn sync(&self) -> Result<()> {
+        rustix::fs::fsync(&self.dir).map_err(self.io("fsync the store folder"))
+    }
+
+    /// Removes every file of `update` from the store (COWs, their manifests and
+    /// trees), then syncs the folder.
+    pub fn remove_update_files(&self, update: &Update) -> Result<()> {
+        for p in &update.partitions {
+            self.remove(&p.cow)?;
+            self.remove(&format!("{}.manifest", p.cow))?;
+            if let Some(v) = &p.verity {
+                self.remove(&v.file)?;
+            }
+        }
+        self.sync()
+    }
+
+    /// A refusal naming the store.
+    pub fn refused(&self, msg: String) -> UpdateError {
+        UpdateError::Refused {
+            path: self.path.clone(),
+            msg,
+        }
+    }
+}
+
+/// Bodies of the fuzz targets (fuzz/), for them and for the test that replays their
+/// corpus.
+#[cfg(feature = "fuzzing")]
+pub mod fuzzing {
+    use super::*;
+
+    /// `update_state`: any bytes parse to a state or to an error, and a state parsed
+    /// re-encodes to itself.
+    pub fn exercise_parse(data: &[u8]) {
+        if let Ok(s) = parse_state(data, Path::new("fuzz")) {
+            let again = parse_state(&encode_state(&s), Path::new("fuzz"));
+            assert_eq!(again.ok(), Some(s));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn update(id: &str) -> Update {
+        Update {
+            id: id.into(),
+            max_boot_attempts: 2,
+            partitions: vec![PartitionState {
+                name: "system".into(),
+                base: "/dev/vda".into(),
+                cow: "system.cow".into(),
+                verity: Some(VerityRef {
+                    file: "system.verity".into(),
+                    root_hash: "ab".repeat(32),
+                }),
+                new_size: 1 << 20,
+                new_sha256: "cd".repeat(32),
+            }],
+        }
+    }
+
+    #[test]
+    fn every_state_round_trips_through_its_file() {
+        let u = update("u1");
+        for s in [
+            State::None,
+            State::Installing { update: u.clone() },
+            State::Installed {
+                update: u.clone(),
+                boot_attempts: 1,
+            },
+            State::Merging { update: u.clone() },
+            State::Merged { update: u },
+        ] {
+            let bytes = encode_state(&s);
+            assert_eq!(parse_state(&bytes, Path::new("s")).unwrap(), s);
+        }
+    }
+
+    #[test]
+    fn the_lifecycle_and_its_refusals() {
+        let u = update("u1");
+        let s = State::None.begin_install(&u).unwrap();
+        assert_eq!(s.begin_install(&u).unwrap(), s, "resuming the same update");
+        assert!(s.begin_install(&update("u2")).is_err());
+        assert!(s.mark_good().is_err());
+        assert_eq!(s.on_boot().0, BootAction::Base);
+        let s = s.finish_install().unwrap();
+        // Two boots allowed, the third rolls back.
+        let (a, s1) = s.on_boot();
+        assert_eq!(a, BootAction::Snapshot { merge: false });
+        let (a, s2) = s1.on_boot();
+        assert_eq!(a, BootAction::Snapshot { merge: false });
+        assert_eq!(s2.on_boot(), (BootAction::RollBack, State::None));
+        assert_eq!(s1.roll_back().unwrap(), State::None);
+        let m = s1.mark_good().unwrap();
+        assert_eq!(m.on_boot(), (BootAction::Snapshot { merge: true }, m.clone()));
+        assert!(m.roll_back().unwrap_err().contains("overwritten"));
+        assert!(m.mark_good().is_err());
+        let d = m.merged().unwrap();
+        assert!(d.roll_back().is_err());
+        assert_eq!(d.on_boot(), (BootAction::CleanUp, State::None));
+        assert!(State::None.roll_back().is_err());
+    }
+
+    #[test]
+    fn a_store_keeps_its_state_and_refuses_bad_files() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("store");
+        let st = Store::init(&path).unwrap();
+        assert_eq!(st.load().unwrap(), State::None);
+        assert!(matches!(
+            Store::init(&path).unwrap_err(),
+            UpdateError::Refused { .. }
+        ));
+        let s = State::Installing {
+            update: update("u1"),
+        };
+        st.save(&s).unwrap();
+        assert_eq!(Store::open(&path).unwrap().load().unwrap(), s);
+        assert!(!st.exists(".state.tmp").unwrap());
+
+        // The descriptor keeps reaching the folder after it moved.
+        let moved = d.path().join("moved");
+        std::fs::rename(&path, &moved).unwrap();
+        st.save(&State::None).unwrap();
+        assert_eq!(Store::open(&moved).unwrap().load().unwrap(), State::None);
+
+        let state = moved.join(STATE_FILE);
+        std::fs::write(&state, br#"{"schema_version": 2, "state": "none"}"#).unwrap();
+        let e = st.load().unwrap_err();
+        assert!(matches!(e, UpdateError::Newer { version: 2, .. }), "{e}");
+        std::fs::write(&state, b"{\"schema_version\": 1, \"state\": \"sideways\"}").unwrap();
+        let e = st.load().unwrap_err();
+        assert!(matches!(e, UpdateError::Corrupt { .. }), "{e}");
+        assert!(e.to_string().contains("sideways"), "{e}");
+        std::fs::write(&state, b"{\"schema_ver").unwrap();
+        assert!(matches!(st.load().unwrap_err(), UpdateError::Corrupt { .. }));
+        std::fs::remove_file(&state).unwrap();
+        let e = st.load().unwrap_err();
+        assert!(matches!(e, UpdateError::NoState { .. }), "{e}");
+        assert!(e.to_string().contains("nothing was changed"));
+    }
+}
