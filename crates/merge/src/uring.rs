@@ -74,6 +74,14 @@ pub struct UringIo {
     bg_short: Vec<usize>,
 }
 
+// SAFETY: the raw pointers in `bg` are addresses of the caller's buffers, which the
+// caller keeps alive until their transfers are waited for (the contract of
+// `start_reads`/`start_writes`); nothing else aliases them through this value. Moving
+// the engine to another thread (a merge prepared before serving, run on its own
+// thread) moves that bookkeeping with it and shares nothing; the ring and the files
+// are Send themselves.
+unsafe impl Send for UringIo {}
+
 /// Index of `bg_left` for a transfer's direction.
 fn kind(write: bool) -> usize {
     usize::from(write)

@@ -77,7 +77,7 @@ pub(crate) fn merge_io(
     cow: std::fs::File,
     queue_depth: u32,
     buffered: bool,
-) -> Result<(Box<dyn MergeIo>, &'static str)> {
+) -> Result<(Box<dyn MergeIo + Send>, &'static str)> {
     let uring = match kind {
         EngineKind::Uring => true,
         EngineKind::Sync => false,

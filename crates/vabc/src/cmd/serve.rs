@@ -219,6 +219,21 @@ fn parse_fstype(s: &str) -> Result<FsType, String> {
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    run_with(args, None)
+}
+
+/// Starts a merge that waits for a word from elsewhere (`vabc update mark-good`), and
+/// hears when it completed.
+pub(crate) struct MergeTrigger {
+    /// Polled while serving: true once the merge should start.
+    pub start: Box<dyn FnMut() -> bool + Send>,
+    /// Called once, when the merge has completed.
+    pub done: Box<dyn FnMut() -> anyhow::Result<()> + Send>,
+}
+
+/// `vabc serve` with a [`MergeTrigger`] (the update daemon's): the merge is made
+/// ready, its files opened, before serving starts, and started when the trigger says.
+pub(crate) fn run_with(args: Args, trigger: Option<MergeTrigger>) -> anyhow::Result<ExitCode> {
     // Signals first, so one arriving during set-up still ends in a clean tear-down.
     let stop = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
@@ -249,7 +264,13 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     })?;
     // Even without --merge, a COW that is partly merged (an interrupted merge)
     // must be served through its merge state: merged sources may be gone.
-    let merge_job = MergeJob::prepare(&args, &mut engine, progress.started(), manifest.as_ref())?;
+    let merge_job = MergeJob::prepare(
+        &args,
+        &mut engine,
+        progress.started(),
+        manifest.as_ref(),
+        trigger.is_some(),
+    )?;
     let size = engine.size();
     if let Some(check) = open_verity(&args, size)? {
         engine.set_verifier(check);
@@ -283,8 +304,12 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     use std::io::Write;
     let _ = std::io::stdout().flush();
 
-    let merge_job = merge_job.filter(|_| args.merge).map(MergeJob::start);
-    let ended = fronts.serve_until_stopped(merge_job, &stop, &report, &stats);
+    let merge_job = match (merge_job, &trigger) {
+        (Some(job), _) if args.merge => Some(MergeJob::start(job)),
+        (Some(job), Some(_)) => Some(job),
+        _ => None,
+    };
+    let ended = fronts.serve_until_stopped(merge_job, trigger, &stop, &report, &stats);
 
     let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
     let result = fronts.stop();
@@ -599,6 +624,7 @@ impl Frontends {
     fn serve_until_stopped(
         &self,
         mut merge_job: Option<MergeJob>,
+        mut trigger: Option<MergeTrigger>,
         stop: &AtomicBool,
         report: &AtomicBool,
         stats: &Stats,
@@ -608,14 +634,28 @@ impl Frontends {
             merge_failed: None,
         };
         while !stop.load(Ordering::Relaxed) {
+            if let Some(t) = trigger.as_mut()
+                && merge_job.as_ref().is_some_and(|j| !j.started())
+                && (t.start)()
+            {
+                merge_job = merge_job.map(MergeJob::start);
+            }
             if let Some(job) = merge_job.take_if(|j| j.is_finished()) {
                 match job.join() {
                     // stderr: a client may have closed our stdout after "ready".
-                    Ok(r) => log::info!(
-                        "vabc serve: merge complete: {} ops ({} this run); the base is now the new image",
-                        r.total_ops,
-                        r.merged - r.started_at
-                    ),
+                    Ok(r) => {
+                        log::info!(
+                            "vabc serve: merge complete: {} ops ({} this run); the base is now the new image",
+                            r.total_ops,
+                            r.merged - r.started_at
+                        );
+                        if let Some(t) = trigger.as_mut()
+                            && let Err(e) = (t.done)()
+                        {
+                            log::warn!("vabc serve: after the merge: {e:#}");
+                            ended.merge_failed = Some(e);
+                        }
+                    }
                     Err(e) => {
                         log::warn!("vabc serve: merge failed: {e:#}");
                         ended.merge_failed = Some(e);
@@ -638,7 +678,7 @@ impl Frontends {
             std::thread::sleep(Duration::from_millis(100));
         }
         // A merge still running stops at its next commit; the next run resumes.
-        if let Some(job) = merge_job {
+        if let Some(job) = merge_job.filter(MergeJob::started) {
             match job.cancel_and_join() {
                 Ok(r) if !r.complete() => log::info!(
                     "vabc serve: merge paused at op {} of {}; serve --merge again to resume",
@@ -738,6 +778,10 @@ impl Stats {
 struct MergeJob {
     base: std::path::PathBuf,
     cow: std::path::PathBuf,
+    /// The base and the COW opened for the merge, and its I/O engine, made before
+    /// serving starts: a merge started later (after a switch of root has moved the
+    /// mounts the paths went through) needs no path.
+    files: Option<MergeFiles>,
     status: Arc<merge::MergeStatus>,
     cancel: Arc<AtomicBool>,
     handle: Option<std::thread::JoinHandle<anyhow::Result<merge::MergeReport>>>,
@@ -756,8 +800,9 @@ impl MergeJob {
         engine: &mut CowEngine,
         started: bool,
         manifest: Option<&manifest::Manifest>,
+        armed: bool,
     ) -> anyhow::Result<Option<MergeJob>> {
-        if !args.merge && !started {
+        if !args.merge && !started && !armed {
             return Ok(None);
         }
         let reader = cow::CowReader::open(&args.cow)?;
@@ -789,38 +834,18 @@ impl MergeJob {
             &reader,
             status.clone(),
         )?));
+        let files = (args.merge || armed)
+            .then(|| MergeFiles::open(&args.base, &args.cow))
+            .transpose()?;
         Ok(Some(MergeJob {
             base: args.base.clone(),
             cow: args.cow.clone(),
+            files,
             status,
             cancel: Arc::new(AtomicBool::new(false)),
             handle: None,
             prove: (!started && !args.check.no_base_check).then(|| manifest.cloned()),
         }))
-    }
-
-    fn open<'a>(
-        base: &std::path::Path,
-        cow: &std::path::Path,
-        reader: &'a cow::CowReader,
-    ) -> anyhow::Result<(merge::Merge<'a>, Box<dyn merge::MergeIo>)> {
-        let rw = |p: &std::path::Path| {
-            std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(p)
-                .with_context(|| format!("cannot open {} for the merge", p.display()))
-        };
-        let (b, c) = (rw(base)?, rw(cow)?);
-        let size = cow::view::file_size(&b, base)?;
-        let m = merge::Merge::new(
-            reader,
-            size,
-            base.to_path_buf(),
-            merge::MergeOptions::default(),
-        )?;
-        let (io, _) = super::merge::merge_io(super::merge::EngineKind::Auto, b, c, 64, false)?;
-        Ok((m, io))
     }
 
     fn start(mut self) -> MergeJob {
@@ -831,27 +856,39 @@ impl MergeJob {
             self.cancel.clone(),
             self.prove.take(),
         );
+        let files = self.files.take();
         log::info!(
             "vabc serve: merging {} into {} in the background",
             cow.display(),
             base.display()
         );
         self.handle = Some(std::thread::spawn(move || {
-            let reader = cow::CowReader::open(&cow)?;
+            let Some(MergeFiles {
+                base: base_file,
+                cow: cow_file,
+                mut io,
+            }) = files
+            else {
+                anyhow::bail!("the merge's files were not opened");
+            };
+            let reader = cow::CowReader::from_file(cow_file, &cow, cow::OpenOptions::default())?;
             if let Some(manifest) = prove {
-                let file = std::fs::File::open(&base)
-                    .with_context(|| format!("cannot open {}", base.display()))?;
-                crate::checks::prove_result(manifest.as_ref(), &reader, &file, &base, None)?;
+                crate::checks::prove_result(manifest.as_ref(), &reader, &base_file, &base, None)?;
             }
-            let (m, mut io) = Self::open(&base, &cow, &reader)?;
+            let size = cow::view::file_size(&base_file, &base)?;
+            let m = merge::Merge::new(&reader, size, base, merge::MergeOptions::default())?;
             let m = m.with_status(status).with_cancel(cancel);
             Ok(m.run(io.as_mut(), &|_, _| {})?)
         }));
         self
     }
 
+    fn started(&self) -> bool {
+        self.handle.is_some()
+    }
+
     fn is_finished(&self) -> bool {
-        self.handle.as_ref().is_none_or(|h| h.is_finished())
+        self.handle.as_ref().is_some_and(|h| h.is_finished())
     }
 
     fn join(mut self) -> anyhow::Result<merge::MergeReport> {
@@ -866,6 +903,42 @@ impl MergeJob {
     fn cancel_and_join(self) -> anyhow::Result<merge::MergeReport> {
         self.cancel.store(true, Ordering::Relaxed);
         self.join()
+    }
+}
+
+/// What a merge writes through, opened before it starts.
+struct MergeFiles {
+    base: std::fs::File,
+    cow: std::fs::File,
+    io: Box<dyn merge::MergeIo + Send>,
+}
+
+impl MergeFiles {
+    fn open(base: &std::path::Path, cow: &std::path::Path) -> anyhow::Result<MergeFiles> {
+        let rw = |p: &std::path::Path| {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(p)
+                .with_context(|| format!("cannot open {} for the merge", p.display()))
+        };
+        let (b, c) = (rw(base)?, rw(cow)?);
+        let clone = |f: &std::fs::File, p: &std::path::Path| {
+            f.try_clone()
+                .with_context(|| format!("duplicate the descriptor of {}", p.display()))
+        };
+        let (io, _) = super::merge::merge_io(
+            super::merge::EngineKind::Auto,
+            clone(&b, base)?,
+            clone(&c, cow)?,
+            64,
+            false,
+        )?;
+        Ok(MergeFiles {
+            base: b,
+            cow: c,
+            io,
+        })
     }
 }
 
