@@ -54,6 +54,9 @@ enum Command {
     /// The update as one signed file: create, info, verify, install (into device
     /// COWs), apply (into new images).
     Bundle(cmd::bundle::Args),
+    /// The device side: install an update into a store, boot it from base + COW,
+    /// mark it good (merge) or roll it back.
+    Update(cmd::update::Args),
     /// Write the manual pages (vabc.1, vabc-diff.1, ...) into a folder.
     Man(cmd::docs::ManArgs),
     /// Print the completion script for a shell (bash, zsh, fish, elvish, powershell).
@@ -66,7 +69,12 @@ fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     progress::init(cli.no_progress || cli.quiet);
     init_logging(cli.quiet, cli.verbose);
-    if !matches!(cli.command, Command::Serve(_)) {
+    let serving = match &cli.command {
+        Command::Serve(_) => true,
+        Command::Update(a) => a.is_daemon(),
+        _ => false,
+    };
+    if !serving {
         // A reader that goes away (`vabc inspect --ops --json | head -1`) ends us as it
         // ends any Unix tool: by SIGPIPE (exit 141), not by a panic in println!. The
         // server keeps Rust's default (ignored), since a client hanging up must only
@@ -77,8 +85,9 @@ fn main() -> std::process::ExitCode {
     // Commands that write files: a signal removes their temporary files (serve handles
     // its own signals, tearing down what it set up).
     let note = match &cli.command {
+        _ if serving => None,
         Command::Merge(_) => Some("the merge is crash-safe: run the same command to resume"),
-        Command::Serve(_) => None,
+        Command::Update(_) => Some("the update's state is crash-safe: see `vabc update status`"),
         _ => Some("no output was written"),
     };
     if let Some(note) = note
@@ -98,6 +107,7 @@ fn main() -> std::process::ExitCode {
         Command::Cleanup(a) => cmd::cleanup::run(a),
         Command::Manifest(a) => cmd::manifest::run(a),
         Command::Bundle(a) => cmd::bundle::run(a),
+        Command::Update(a) => cmd::update::run(a),
         Command::Man(a) => cmd::docs::man(a, Cli::command()),
         Command::Completions(a) => cmd::docs::completions(a, Cli::command()),
     };

@@ -117,7 +117,7 @@ struct InfoArgs {
 }
 
 #[derive(clap::Args)]
-struct KeyArgs {
+pub(crate) struct KeyArgs {
     /// The public key bundles must be signed with (PEM, `openssl pkey -pubout`).
     #[arg(
         long,
@@ -132,7 +132,7 @@ struct KeyArgs {
 }
 
 impl KeyArgs {
-    fn load(&self) -> Result<Option<PublicKey>> {
+    pub(crate) fn load(&self) -> Result<Option<PublicKey>> {
         self.key
             .as_deref()
             .map(PublicKey::load)
@@ -746,20 +746,20 @@ fn plan(a: PlanArgs) -> Result<ExitCode> {
 
 /// What install did per partition.
 #[derive(Serialize)]
-struct Installed {
-    name: String,
-    base: PathBuf,
-    cow: PathBuf,
-    manifest: PathBuf,
-    cow_size: u64,
+pub(crate) struct Installed {
+    pub name: String,
+    pub base: PathBuf,
+    pub cow: PathBuf,
+    pub manifest: PathBuf,
+    pub cow_size: u64,
     /// The dm-verity hash file of the new image (bundles made with --verity).
     #[serde(skip_serializing_if = "Option::is_none")]
-    verity: Option<PathBuf>,
+    pub verity: Option<PathBuf>,
     /// Its root hash, hex (the signed manifest's).
     #[serde(skip_serializing_if = "Option::is_none")]
-    root_hash: Option<String>,
+    pub root_hash: Option<String>,
     /// False when an earlier, interrupted install had already finished it.
-    written: bool,
+    pub written: bool,
 }
 
 /// Each partition's base, by name; every partition must have one.
@@ -793,7 +793,14 @@ fn bases(specs: &[String], m: &BundleManifest) -> Result<Vec<PathBuf>> {
 
 fn install(a: InstallArgs) -> Result<Vec<Installed>> {
     let key = a.key.load()?;
-    let done = install_into(&a.bundle, &a.bases, &a.out_dir, &key, a.threads)?;
+    let done = install_into(
+        &a.bundle,
+        &a.bases,
+        &a.out_dir,
+        &key,
+        a.threads,
+        &mut |_, _| Ok(()),
+    )?;
     if a.json {
         let out = serde_json::json!({
             "schema_version": crate::SCHEMA_VERSION,
@@ -821,14 +828,32 @@ fn install(a: InstallArgs) -> Result<Vec<Installed>> {
     Ok(done)
 }
 
-fn install_into(
+/// Installs the bundle at `bundle_path` into `out_dir` (see `install`); `on_checked`
+/// runs once the signature, every base and the free space are checked, before
+/// anything is written (an error there writes nothing).
+pub(crate) fn install_into(
     bundle_path: &Path,
     base_specs: &[String],
     out_dir: &Path,
     key: &Option<PublicKey>,
     threads: usize,
+    on_checked: &mut dyn FnMut(&BundleManifest, &[PathBuf]) -> Result<()>,
 ) -> Result<Vec<Installed>> {
     let mut r = BundleReader::open(open_input(bundle_path)?, bundle_path, trust(key))?;
+    // A bundle file too short for its payloads is refused before anything is
+    // written (a stream finds out as it reads, and leaves only temporary files).
+    if let Ok(md) = std::fs::metadata(bundle_path)
+        && md.is_file()
+    {
+        let need = r.payload_start() + r.manifest().payload_bytes();
+        if md.len() < need {
+            bail!(
+                "{}: truncated: {} bytes, its manifest needs {need}; nothing was written",
+                bundle_path.display(),
+                md.len()
+            );
+        }
+    }
     let bases = bases(base_specs, r.manifest())?;
     if !out_dir.is_dir() {
         bail!("--out-dir {}: not a directory", out_dir.display());
@@ -843,6 +868,7 @@ fn install_into(
         .map(|(p, base)| check_base(p, base))
         .collect::<Result<Vec<_>>>()?;
     check_space(r.manifest(), out_dir)?;
+    on_checked(r.manifest(), &bases)?;
     let mut done = Vec::new();
     let mut i = 0;
     while let Some((part, mut stream)) = r.payload() {
@@ -1225,7 +1251,14 @@ fn apply(a: InstallArgs) -> Result<ExitCode> {
         .prefix(".vabc-bundle-apply.")
         .tempdir_in(&a.out_dir)
         .with_context(|| format!("create a work folder in {}", a.out_dir.display()))?;
-    let done = install_into(&a.bundle, &a.bases, work.path(), &key, a.threads)?;
+    let done = install_into(
+        &a.bundle,
+        &a.bases,
+        work.path(),
+        &key,
+        a.threads,
+        &mut |_, _| Ok(()),
+    )?;
     let mut outputs = Vec::new();
     for d in &done {
         let base_spec = &d.base;

@@ -8,4 +8,5 @@ pub mod inspect;
 pub mod manifest;
 pub mod merge;
 pub mod serve;
+pub mod update;
 pub mod verity;

@@ -1,0 +1,396 @@
+//! `vabc update` on this machine's kernel, served through FUSE + loop (ublk and
+//! dm-verity are the VM tier's): an update installed into a store boots from base +
+//! COW, merges once marked good while it is served, and leaves the store clean; a
+//! new system never marked good is rolled back after its allowed boots with the base
+//! untouched; bad input (another base, a truncated bundle, a full store, a missing or
+//! newer state file, a rollback after the merge began) changes nothing; an install
+//! killed at random points resumes, booting the old system meanwhile.
+
+mod serve_common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serve_common::{corpus_image, run_vabc, sha256_file, sigterm, vabc};
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+fn ok(args: &[&str]) -> std::process::Output {
+    let o = run_vabc(args);
+    assert!(
+        o.status.success(),
+        "vabc {args:?}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    o
+}
+
+fn json(o: &std::process::Output) -> serde_json::Value {
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
+/// A device: a base image (a copy of the tiny ext4 pair's old image), a store, a run
+/// folder, and a signed --verity bundle of the update to the new image.
+struct Device {
+    dir: tempfile::TempDir,
+    base: PathBuf,
+    store: PathBuf,
+    run: PathBuf,
+    bundle: PathBuf,
+    public: PathBuf,
+    old_sha: String,
+    new_sha: String,
+}
+
+impl Device {
+    fn new() -> Device {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let (old, new) = (
+            corpus_image("tiny", "old", "ext4"),
+            corpus_image("tiny", "new", "ext4"),
+        );
+        let base = d.join("base.img");
+        std::fs::copy(&old, &base).unwrap();
+        let key = d.join("k.pem");
+        let public = d.join("k.pub.pem");
+        for args in [
+            &["genpkey", "-algorithm", "ed25519", "-out", s(&key)][..],
+            &["pkey", "-in", s(&key), "-pubout", "-out", s(&public)][..],
+        ] {
+            assert!(
+                Command::new("openssl")
+                    .args(args)
+                    .status()
+                    .unwrap()
+                    .success()
+            );
+        }
+        let bundle = d.join("u.vabc");
+        let p = format!("system={},{}", old.display(), new.display());
+        ok(&[
+            "bundle",
+            "create",
+            "-p",
+            &p,
+            "-o",
+            s(&bundle),
+            "--key",
+            s(&key),
+            "--verity",
+        ]);
+        let store = d.join("store");
+        ok(&["update", "init", "--store", s(&store)]);
+        Device {
+            base,
+            store,
+            run: d.join("run"),
+            bundle,
+            public,
+            old_sha: sha256_file(&old),
+            new_sha: sha256_file(&new),
+            dir,
+        }
+    }
+
+    fn base_arg(&self) -> String {
+        format!("system={}", self.base.display())
+    }
+
+    fn install_args(&self, bundle: &Path) -> Vec<String> {
+        [
+            "update",
+            "install",
+            "--store",
+            s(&self.store),
+            s(bundle),
+            "-b",
+            &self.base_arg(),
+            "--key",
+            s(&self.public),
+            "--max-boot-attempts",
+            "2",
+        ]
+        .map(String::from)
+        .to_vec()
+    }
+
+    fn install(&self) {
+        let args = self.install_args(&self.bundle);
+        ok(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    }
+
+    fn state(&self) -> serde_json::Value {
+        json(&ok(&[
+            "update",
+            "status",
+            "--store",
+            s(&self.store),
+            "--json",
+        ]))
+    }
+
+    /// `boot` as the initramfs runs it; returns its JSON report.
+    fn boot(&self) -> serde_json::Value {
+        json(&ok(&[
+            "update",
+            "boot",
+            "--store",
+            s(&self.store),
+            "-b",
+            &self.base_arg(),
+            "--frontend",
+            "fuse",
+            "--run-dir",
+            s(&self.run),
+            "--json",
+        ]))
+    }
+
+    /// The power goes: the daemon is stopped (SIGTERM takes its loop device and FUSE
+    /// mount down, which a real power cut does by itself).
+    fn power_off(&self) {
+        let ready = self.run.join("system.ready");
+        let Ok(text) = std::fs::read_to_string(&ready) else {
+            return;
+        };
+        let pid = json_text(&text)["pid"].as_u64().unwrap() as u32;
+        sigterm(pid);
+        let t = Instant::now();
+        while Path::new(&format!("/proc/{pid}")).exists() {
+            assert!(
+                t.elapsed() < Duration::from_secs(30),
+                "daemon {pid} did not stop"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn store_files(&self) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(&self.store)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
+}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        self.power_off();
+        let _ = &self.dir;
+    }
+}
+
+fn json_text(t: &str) -> serde_json::Value {
+    serde_json::from_str(t).unwrap()
+}
+
+fn device_of(boot: &serde_json::Value) -> PathBuf {
+    PathBuf::from(boot["partitions"][0]["device"].as_str().unwrap())
+}
+
+#[test]
+fn an_update_boots_from_its_cow_merges_once_marked_good_and_leaves_a_clean_store() {
+    let d = Device::new();
+    d.install();
+    assert_eq!(d.state()["state"], "installed");
+    assert_eq!(
+        d.store_files(),
+        [
+            "state",
+            "system.cow",
+            "system.cow.manifest",
+            "system.verity"
+        ]
+    );
+
+    let b = d.boot();
+    assert_eq!(b["state"], "installed");
+    assert_eq!(b["boot_attempts"], 1);
+    assert_eq!(b["partitions"][0]["served"], true);
+    assert_eq!(b["partitions"][0]["verity"], "userspace");
+    let dev = device_of(&b);
+    assert_eq!(
+        sha256_file(&dev),
+        d.new_sha,
+        "the served device is the new image"
+    );
+    assert_eq!(
+        sha256_file(&d.base),
+        d.old_sha,
+        "nothing merged before mark-good"
+    );
+
+    // Rollback is allowed now; mark-good instead, and the daemon merges while serving.
+    ok(&["update", "mark-good", "--store", s(&d.store)]);
+    let t = Instant::now();
+    while d.state()["state"] != "merged" {
+        assert!(t.elapsed() < Duration::from_secs(120), "{}", d.state());
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(sha256_file(&d.base), d.new_sha, "merged in place");
+    assert_eq!(
+        sha256_file(&dev),
+        d.new_sha,
+        "still served right after the merge"
+    );
+    let o = run_vabc(&["update", "rollback", "--store", s(&d.store)]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("nothing to roll back to"));
+
+    // The next boot mounts the base and removes the COW.
+    d.power_off();
+    let b = d.boot();
+    assert_eq!(b["state"], "none");
+    assert_eq!(b["partitions"][0]["served"], false);
+    assert_eq!(device_of(&b), d.base);
+    assert_eq!(d.store_files(), ["state"]);
+    assert_eq!(sha256_file(&d.base), d.new_sha);
+}
+
+#[test]
+fn a_new_system_never_marked_good_is_rolled_back_after_its_boots() {
+    let d = Device::new();
+    d.install();
+    for attempt in 1..=2 {
+        let b = d.boot();
+        assert_eq!(b["boot_attempts"], attempt);
+        assert_eq!(sha256_file(&device_of(&b)), d.new_sha);
+        // Its health check fails: no mark-good, the device reboots.
+        d.power_off();
+    }
+    let b = d.boot();
+    assert_eq!(b["state"], "none");
+    assert!(b["note"].as_str().unwrap().contains("rolled back"), "{b}");
+    assert_eq!(device_of(&b), d.base);
+    assert_eq!(sha256_file(&d.base), d.old_sha, "the base is untouched");
+    assert_eq!(d.store_files(), ["state"]);
+}
+
+#[test]
+fn bad_input_changes_nothing_on_the_device() {
+    let d = Device::new();
+    let code = |args: &[String]| {
+        let o = run_vabc(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        (
+            o.status.code(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+        )
+    };
+    let unchanged = |what: &str| {
+        assert_eq!(d.state()["state"], "none", "{what}");
+        assert_eq!(d.store_files(), ["state"], "{what}");
+        assert_eq!(sha256_file(&d.base), d.old_sha, "{what}");
+    };
+
+    // An update for another base: exit 3, the region named.
+    let other = d.dir.path().join("other.img");
+    std::fs::copy(corpus_image("tiny", "new", "ext4"), &other).unwrap();
+    let mut args = d.install_args(&d.bundle);
+    args[6] = format!("system={}", other.display());
+    let (c, e) = code(&args);
+    assert_eq!(c, Some(3), "{e}");
+    assert!(e.contains("region"), "{e}");
+    unchanged("another base");
+
+    // A truncated bundle, from a file and from a stream (stdin).
+    let good = std::fs::read(&d.bundle).unwrap();
+    let cut = d.dir.path().join("cut.vabc");
+    std::fs::write(&cut, &good[..good.len() * 2 / 3]).unwrap();
+    let (c, e) = code(&d.install_args(&cut));
+    assert_eq!(c, Some(1), "{e}");
+    assert!(e.contains("truncated"), "{e}");
+    unchanged("a truncated bundle file");
+    let mut args = d.install_args(Path::new("-"));
+    args.insert(0, String::new());
+    let mut child = Command::new(vabc())
+        .args(&args[1..])
+        .stdin(std::fs::File::open(&cut).unwrap())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    assert!(!child.wait().unwrap().success());
+    unchanged("a truncated bundle stream");
+
+    // A store without the space for the COW (a 1 MiB tmpfs).
+    let small = d.dir.path().join("small");
+    std::fs::create_dir(&small).unwrap();
+    let st = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=1m", "vabc-test", s(&small)])
+        .status()
+        .unwrap();
+    assert!(st.success(), "mount a 1 MiB tmpfs (the tests run as root)");
+    let small_store = small.join("store");
+    ok(&["update", "init", "--store", s(&small_store)]);
+    let mut args = d.install_args(&d.bundle);
+    args[3] = s(&small_store).to_string();
+    let (c, e) = code(&args);
+    let _ = Command::new("umount").arg(&small).status();
+    assert_eq!(c, Some(1), "{e}");
+    assert!(e.contains("bytes free"), "{e}");
+
+    // A missing state file, and one from a newer vabc: every command refuses.
+    let state = d.store.join("state");
+    std::fs::remove_file(&state).unwrap();
+    let (c, e) = code(&d.install_args(&d.bundle));
+    assert_eq!(c, Some(1));
+    assert!(e.contains("no state file"), "{e}");
+    assert!(!state.exists() && d.store_files().is_empty());
+    std::fs::write(&state, "{\"schema_version\": 9, \"state\": \"none\"}\n").unwrap();
+    for sub in ["status", "mark-good", "rollback", "boot"] {
+        let (c, e) = code(&["update", sub, "--store", s(&d.store)].map(String::from));
+        assert_eq!(c, Some(1), "{sub}: {e}");
+        assert!(e.contains("newer than this vabc"), "{sub}: {e}");
+    }
+    assert_eq!(
+        std::fs::read_to_string(&state).unwrap(),
+        "{\"schema_version\": 9, \"state\": \"none\"}\n"
+    );
+}
+
+#[test]
+fn an_install_killed_at_random_points_boots_the_old_system_and_resumes() {
+    let d = Device::new();
+    let args = d.install_args(&d.bundle);
+    let mut rng = fastrand::Rng::with_seed(5);
+    for round in 0..4 {
+        let mut child = Command::new(vabc())
+            .args(&args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(rng.u64(0..500)));
+        let _ = child.kill();
+        let _ = child.wait();
+        let st = d.state()["state"].as_str().unwrap().to_string();
+        if st == "installed" {
+            // It finished before the kill: start over.
+            ok(&["update", "rollback", "--store", s(&d.store)]);
+            continue;
+        }
+        // The power goes now: the boot runs the old system.
+        let b = d.boot();
+        assert!(
+            ["none", "installing"].contains(&b["state"].as_str().unwrap()),
+            "{round}: {b}"
+        );
+        assert_eq!(b["partitions"][0]["served"], false);
+        assert_eq!(device_of(&b), d.base);
+        assert_eq!(sha256_file(&d.base), d.old_sha);
+        // The old system runs the install again: it completes.
+        ok(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        assert_eq!(d.state()["state"], "installed", "round {round}");
+        let b = d.boot();
+        assert_eq!(sha256_file(&device_of(&b)), d.new_sha, "round {round}");
+        d.power_off();
+        ok(&["update", "rollback", "--store", s(&d.store)]);
+        assert_eq!(d.store_files(), ["state"]);
+    }
+}
