@@ -2,7 +2,8 @@
 # The whole test suite: formatting, lints, unit, property, interop and
 # integration tests (some mount real filesystems: run as root on Linux), then
 # the VM tier: every frontend on a stock kernel with ublk, NBD and
-# device-mapper (tests/vm/, about 4 minutes under software emulation).
+# device-mapper, then the device scenario (boots from base + COW, power cuts,
+# rollback) (tests/vm/, about 8 minutes under software emulation).
 # CI runs exactly this (.ci/run). VABC_SKIP_VM=1 leaves the VM tier out (it
 # then says so).
 set -euo pipefail
@@ -12,8 +13,9 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo test --workspace --locked
 if [ "${VABC_SKIP_VM:-0}" = 1 ]; then
-	echo "test.sh: VABC_SKIP_VM=1: the VM tier (tests/vm/conformance.sh) was NOT run"
+	echo "test.sh: VABC_SKIP_VM=1: the VM tier (tests/vm/conformance.sh, tests/vm/device.sh) was NOT run"
 	exit 0
 fi
 # The binary `cargo test` just built (CARGO_TARGET_DIR respected).
 VABC=${CARGO_TARGET_DIR:-target}/debug/vabc tests/vm/conformance.sh
+VABC=${CARGO_TARGET_DIR:-target}/debug/vabc tests/vm/device.sh

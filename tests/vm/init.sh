@@ -3,7 +3,7 @@
 # kernel's modules at /kmod, the job folder at /out, and whatever else the job
 # lists in /out/mounts ("TAG PATH ro|rw" per line), runs /out/job.sh, writes its
 # exit status to /out/rc and resets the machine (QEMU runs with -no-reboot, so a
-# reset ends it).
+# reset ends it), or switches to a root file system the job mounted (below).
 B=/busybox
 $B mount -t proc proc /proc
 $B mount -t sysfs sys /sys
@@ -38,6 +38,19 @@ export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin HOME=/root TMPDIR=
 export VM_KMOD=/kmod VM_KVER=$($B uname -r) DM_DISABLE_UDEV=1
 cd /
 /bin/bash /out/job.sh </dev/null
-echo $? >/out/rc.tmp && $B mv /out/rc.tmp /out/rc
+rc=$?
+# A job that mounted a new root and wrote "NEWROOT INIT" to /out/switch-root gets it
+# as the root file system, as an initramfs hands over to the real system: /dev,
+# /proc, /sys, /run, /usr and /out move along, and INIT runs as PID 1 there (it
+# writes /out/rc and resets the machine itself).
+if [ "$rc" = 0 ] && [ -e /out/switch-root ]; then
+	read -r newroot newinit </out/switch-root
+	$B rm -f /out/switch-root
+	for m in /dev /proc /sys /run /usr /out; do
+		$B mount --move "$m" "$newroot$m" || echo "vm-init: cannot move $m" >&2
+	done
+	exec $B switch_root "$newroot" /usr/bin/bash "$newinit"
+fi
+echo $rc >/out/rc.tmp && $B mv /out/rc.tmp /out/rc
 $B sync
 $B reboot -f

@@ -110,8 +110,12 @@ timeout -k 10 "$TIMEOUT" "${QEMU[@]}" </dev/null | sed -u 's/\r$//'
 qrc=${PIPESTATUS[0]}
 set -e
 secs=$(($(date +%s) - start))
-if [ "$qrc" = 124 ] || [ "$qrc" = 137 ]; then
+if [ "$qrc" = 124 ]; then
 	echo "vm: killed after ${TIMEOUT}s" >&2
+	exit 124
+fi
+if [ "$qrc" = 137 ] || [ "$qrc" = 143 ]; then
+	echo "vm: the emulator was killed after ${secs}s" >&2
 	exit 124
 fi
 if [ ! -e "$OUT/rc" ]; then

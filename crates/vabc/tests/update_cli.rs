@@ -209,6 +209,19 @@ fn an_update_boots_from_its_cow_merges_once_marked_good_and_leaves_a_clean_store
         ]
     );
 
+    // Not before this boot runs the update.
+    let o = run_vabc(&[
+        "update",
+        "mark-good",
+        "--store",
+        s(&d.store),
+        "--run-dir",
+        s(&d.run),
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("does not run the update"));
+    assert_eq!(d.state()["state"], "installed");
+
     let b = d.boot();
     assert_eq!(b["state"], "installed");
     assert_eq!(b["boot_attempts"], 1);
@@ -227,7 +240,14 @@ fn an_update_boots_from_its_cow_merges_once_marked_good_and_leaves_a_clean_store
     );
 
     // Rollback is allowed now; mark-good instead, and the daemon merges while serving.
-    ok(&["update", "mark-good", "--store", s(&d.store)]);
+    ok(&[
+        "update",
+        "mark-good",
+        "--store",
+        s(&d.store),
+        "--run-dir",
+        s(&d.run),
+    ]);
     let t = Instant::now();
     while d.state()["state"] != "merged" {
         assert!(t.elapsed() < Duration::from_secs(120), "{}", d.state());

@@ -32,8 +32,8 @@ enum Sub {
     /// the update, and print `NAME DEVICE` per partition.
     Boot(BootArgs),
     /// The running new system works: merge the update into the bases (in the serving
-    /// daemon, while it keeps serving).
-    MarkGood(StoreArgs),
+    /// daemon, while it keeps serving). Refused unless this boot runs the update.
+    MarkGood(MarkGoodArgs),
     /// Drop the update (allowed until its merge starts); the next boot runs the old
     /// system.
     Rollback(StoreArgs),
@@ -52,6 +52,15 @@ struct StoreArgs {
     /// Print JSON on stdout.
     #[arg(long)]
     json: bool,
+}
+
+#[derive(clap::Args)]
+struct MarkGoodArgs {
+    #[command(flatten)]
+    store: StoreArgs,
+    /// The run folder `boot` used (it records there what this boot runs).
+    #[arg(long, default_value = "/run/vabc", value_name = "DIR")]
+    run_dir: PathBuf,
 }
 
 #[derive(clap::Args)]
@@ -336,13 +345,43 @@ fn boot(a: BootArgs) -> Result<ExitCode> {
             std::fs::create_dir_all(&a.run_dir)
                 .with_context(|| format!("create {}", a.run_dir.display()))?;
             let mut v = Vec::new();
+            let mut daemons = Vec::new();
             for p in &u.partitions {
-                v.push(serve_partition(&a, &store, p)?);
+                match serve_partition(&a, &store, p) {
+                    Ok((b, child)) => {
+                        v.push(b);
+                        daemons.push(child);
+                    }
+                    Err(e) => {
+                        // Nothing of the update may run when the base is booted
+                        // instead: a daemon left serving could merge under it.
+                        for mut d in daemons {
+                            stop_daemon(&mut d);
+                        }
+                        return Err(e);
+                    }
+                }
             }
             (v, None)
         }
         (_, None) => (base_devices(None)?, None),
     };
+    // What this boot runs, for mark-good (the run folder is a tmpfs: gone at the next
+    // boot). Best effort when nothing is served: a missing record refuses mark-good.
+    let snapshot = devices.iter().any(|d| d.served);
+    if std::fs::create_dir_all(&a.run_dir).is_ok() {
+        let record = serde_json::json!({
+            "update_id": next.update().map(|u| u.id.clone()),
+            "snapshot": snapshot,
+        });
+        let written = crate::output::write_atomic(
+            &a.run_dir.join("booted.json"),
+            format!("{record:#}\n").as_bytes(),
+        );
+        if let (Err(e), true) = (written, snapshot) {
+            return Err(e);
+        }
+    }
     if let Some(n) = &note {
         eprintln!("vabc update boot: {n}");
     }
@@ -373,9 +412,30 @@ fn kernel_verity_available() -> bool {
             .is_ok_and(|s| s.success())
 }
 
+/// Stops a daemon `boot` started (SIGTERM: it takes its device down) and waits.
+fn stop_daemon(child: &mut std::process::Child) {
+    if let Ok(pid) = i32::try_from(child.id()) {
+        // SAFETY: kill(2) with a pid we spawned and have not reaped; no memory involved.
+        unsafe { libc::kill(pid, libc::SIGTERM) };
+    }
+    let t0 = Instant::now();
+    while matches!(child.try_wait(), Ok(None)) {
+        if t0.elapsed() > Duration::from_secs(30) {
+            let _ = child.kill();
+            let _ = child.wait();
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// Starts the daemon serving partition `p` and waits for its device; dm-verity on
-/// top when the update carries a root hash.
-fn serve_partition(a: &BootArgs, store: &Store, p: &PartitionState) -> Result<Booted> {
+/// top when the update carries a root hash. On an error the daemon is stopped.
+fn serve_partition(
+    a: &BootArgs,
+    store: &Store,
+    p: &PartitionState,
+) -> Result<(Booted, std::process::Child)> {
     let verity = match (&p.verity, a.verity) {
         (None, _) => None,
         (Some(_), VerityMode::Kernel) => Some("kernel"),
@@ -418,9 +478,29 @@ fn serve_partition(a: &BootArgs, store: &Store, p: &PartitionState) -> Result<Bo
         .stderr(log)
         .process_group(0);
     let mut child = cmd.spawn().context("start the serving daemon")?;
+    match attach(a, p, &store_path, &ready, &log_path, verity, &mut child) {
+        Ok(b) => Ok((b, child)),
+        Err(e) => {
+            stop_daemon(&mut child);
+            Err(e)
+        }
+    }
+}
+
+/// Waits for `child` to serve partition `p` and puts dm-verity over its device when
+/// `verity` says the kernel checks it.
+fn attach(
+    a: &BootArgs,
+    p: &PartitionState,
+    store_path: &Path,
+    ready: &Path,
+    log_path: &Path,
+    verity: Option<&'static str>,
+    child: &mut std::process::Child,
+) -> Result<Booted> {
     let t0 = Instant::now();
     let report = loop {
-        if let Ok(text) = std::fs::read_to_string(&ready) {
+        if let Ok(text) = std::fs::read_to_string(ready) {
             let v: serde_json::Value = serde_json::from_str(&text)
                 .with_context(|| format!("read the daemon's report {}", ready.display()))?;
             break v;
@@ -433,7 +513,6 @@ fn serve_partition(a: &BootArgs, store: &Store, p: &PartitionState) -> Result<Bo
             );
         }
         if t0.elapsed() > Duration::from_secs(a.timeout) {
-            let _ = child.kill();
             bail!(
                 "partition {}: the serving daemon was not serving after {} s",
                 p.name,
@@ -449,20 +528,21 @@ fn serve_partition(a: &BootArgs, store: &Store, p: &PartitionState) -> Result<Bo
     let device = match (verity, &p.verity) {
         (Some("kernel"), Some(v)) => {
             let name = format!("vabc-{}", p.name);
-            let st = Command::new("veritysetup")
+            let out = Command::new("veritysetup")
                 .arg("open")
                 .arg(&dev)
                 .arg(&name)
                 .arg(store_path.join(&v.file))
                 .arg(&v.root_hash)
-                .stdout(Stdio::null())
-                .status()
+                .output()
                 .context("run veritysetup")?;
-            if !st.success() {
+            if !out.status.success() {
                 bail!(
-                    "partition {}: veritysetup open {} failed ({st})",
+                    "partition {}: veritysetup open {} failed ({}): {}",
                     p.name,
-                    dev.display()
+                    dev.display(),
+                    out.status,
+                    String::from_utf8_lossy(&out.stderr).trim()
                 );
             }
             PathBuf::from("/dev/mapper").join(name)
@@ -569,10 +649,34 @@ fn merge_progress(store: &Store, p: &PartitionState) -> Result<merge::progress::
     Ok(merge::progress::read(&cow)?)
 }
 
-fn mark_good(a: StoreArgs) -> Result<ExitCode> {
+fn mark_good(m: MarkGoodArgs) -> Result<ExitCode> {
+    let a = m.store;
     let store = Store::open(&a.store)?;
     let state = store.load()?;
     let next = state.mark_good().map_err(|msg| store.refused(msg))?;
+    // Only the new system may say it works: a boot that fell back to the base (the
+    // update failed to start) runs the old one.
+    let record = m.run_dir.join("booted.json");
+    let booted: Option<serde_json::Value> = std::fs::read_to_string(&record)
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok());
+    let runs_update = booted.as_ref().is_some_and(|b| {
+        b["snapshot"] == true && b["update_id"].as_str() == state.update().map(|u| u.id.as_str())
+    });
+    if !runs_update {
+        return Err(store
+            .refused(format!(
+                "this boot does not run the update ({} says {}): reboot to try it again, or \
+                 roll it back; nothing was changed",
+                record.display(),
+                match &booted {
+                    Some(b) if b["snapshot"] == false => "the base was booted".to_string(),
+                    Some(_) => "another update".to_string(),
+                    None => "nothing".to_string(),
+                }
+            ))
+            .into());
+    }
     store.save(&next)?;
     if a.json {
         print_json(&serde_json::json!({

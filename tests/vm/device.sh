@@ -1,0 +1,259 @@
+#!/usr/bin/env bash
+# The device scenario of the VM tier: vabc as a device updater on a stock kernel,
+# boot after boot, with power cuts.
+#
+#   tests/vm/device.sh [--install-cuts N] [--merge-cuts N]
+#
+# The guest has a system disk (/dev/vda: a 40 MiB EROFS root file system, version 1)
+# and a data disk (/dev/vdb: the update store, the bundles and the public key). Every
+# boot runs the project's initramfs hook (guest-device.sh), switches to the root it
+# names, and the system does one step (guest-device-stage2.sh). The host:
+#   1. boots the old system, which installs the update (version 2); the emulator is
+#      killed (SIGKILL: a power cut) at random moments while it installs, until N
+#      cuts landed mid-install: each next boot must run the old system (version 1,
+#      its root device read whole equal to the old image) and the install resumes;
+#   2. boots the new system, served from base + COW (ublk, kernel dm-verity): its
+#      root is version 2 and reads whole as the new image; it marks itself good and
+#      the merge runs while it keeps reading its root; the emulator is killed at
+#      random moments of the merge until N cuts landed mid-merge: each next boot
+#      must run the new system again and resume the merge;
+#   3. the boot after the merge mounts the base itself, which is the new image, and
+#      the COW store is cleaned; the system installs a bad update (version 3, whose
+#      health check fails);
+#   4. the bad update boots twice, fails its health check each time (the second
+#      time a COW block altered on the data disk must fail to read: dm-verity), and
+#      the third boot rolls it back: the base is byte-identical to version 2 and the
+#      store holds nothing but its state.
+# It prints each boot's facts, the power-cut moments and the recovered states.
+# Disks are attached with cache=directsync (every write the guest makes reaches the
+# image file before it completes): a kill of the emulator loses exactly what the guest
+# had not written out of its page cache, and nothing it was told was written. The
+# system disk's writes are throttled to 4 MB/s, a slow eMMC, so that a merge lasts
+# long enough to be cut more than once. Torn and unflushed writes of a real disk are
+# the simulated-disk crash tests' job (crates/merge).
+# Env: VABC (default target/debug/vabc), TMPDIR.
+set -euo pipefail
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+ROOT=$(cd "$HERE/../.." && pwd)
+INSTALL_CUTS=5 MERGE_CUTS=5
+while (($#)); do
+	case $1 in
+	--install-cuts) INSTALL_CUTS=$2; shift 2 ;;
+	--merge-cuts) MERGE_CUTS=$2; shift 2 ;;
+	*) sed -n '2,30p' "$0" >&2; exit 2 ;;
+	esac
+done
+VABC=$(realpath "${VABC:-$ROOT/target/debug/vabc}")
+[ -x "$VABC" ] || { echo "device: no vabc binary at $VABC (build it first)" >&2; exit 1; }
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/vabc-device.XXXXXX")
+trap 'pkill -KILL -f "file=$WORK/" 2>/dev/null; [ -n "${VABC_KEEP:-}" ] || rm -rf "$WORK"' EXIT
+say() { echo "device: $*" >&2; }
+fail() { say "FAIL: $*"; FAILED=$((FAILED + 1)); }
+FAILED=0
+
+# --- The images: version 1 (old), 2 (new), 3 (new, but its health check fails).
+mkroot() { # DIR VERSION HEALTH
+	mkdir -p "$1"/{usr,dev,proc,sys,run,out,data,tmp,etc,opt/payload}
+	for l in bin sbin lib lib64; do ln -s "usr/$l" "$1/$l"; done
+	echo "$2" >"$1/etc/version"
+	echo "$3" >"$1/etc/health"
+	: >"$1/etc/ld.so.cache"
+	python3 - "$1/opt/payload" "$2" <<-'PY'
+		import random, sys
+		d, v = sys.argv[1], int(sys.argv[2])
+		def text(seed, n):
+		    # Words, so that the bundle stays small while the merge has blocks to write.
+		    r = random.Random(seed)
+		    words = [bytes(r.choice(b"abcdefghijklmnopqrstuvwxyz") for _ in range(r.randint(2, 9))) for _ in range(4096)]
+		    out = bytearray()
+		    while len(out) < n:
+		        out += r.choice(words) + b" "
+		    return bytes(out[:n])
+		# Version 1: two files. Later versions change half of one, replace the other and
+		# add a third: about 20 MiB of changed blocks for the merge to write.
+		a = bytearray(text(1, 16 << 20))
+		if v >= 2:
+		    a[4 << 20:12 << 20] = text(10 + v, 8 << 20)
+		open(f"{d}/a.bin", "wb").write(a)
+		open(f"{d}/b.bin", "wb").write(text(2 if v == 1 else 20 + v, 8 << 20))
+		if v >= 2:
+		    open(f"{d}/c.bin", "wb").write(text(30 + v, 4 << 20))
+	PY
+}
+# EROFS, as Android's system partitions are, padded to the partition's 40 MiB. (A
+# mounted ext4 reads differently through the page cache than on disk, its lazily
+# initialised bitmaps filled in memory, so an install's buffered reads of a mounted
+# ext4 base see another image: docs/09-device-updates.md, "Not yet".)
+mkimg() { # VERSION HEALTH IMG
+	rm -rf "$WORK/root"
+	mkroot "$WORK/root" "$1" "$2"
+	mkfs.erofs --quiet -T0 --all-root -U 6f1c7a52-1d5e-4d0c-9a3e-0c9d5b1a2e41 "$3" "$WORK/root"
+	truncate -s 40M "$3"
+}
+mkimg 1 ok "$WORK/v1.img"
+mkimg 2 ok "$WORK/v2.img"
+mkimg 3 fail "$WORK/v3.img"
+sha() { sha256sum "$1" | cut -d' ' -f1; }
+V1=$(sha "$WORK/v1.img") V2=$(sha "$WORK/v2.img")
+
+# --- The bundles (signed, with dm-verity root hashes), the store, the data disk.
+D=$WORK/data
+mkdir -p "$D/bundles" "$D/keys"
+openssl genpkey -algorithm ed25519 -out "$WORK/key.pem" 2>/dev/null
+openssl pkey -in "$WORK/key.pem" -pubout -out "$D/keys/pub.pem"
+"$VABC" -q bundle create -p "system=$WORK/v1.img,$WORK/v2.img" -o "$D/bundles/good.vabc" \
+	--key "$WORK/key.pem" --verity >/dev/null
+# The bad update's device COW stores its blocks uncompressed, so that the scenario can
+# alter one that still decodes (only dm-verity can tell).
+"$VABC" -q bundle create -p "system=$WORK/v2.img,$WORK/v3.img" -o "$D/bundles/bad.vabc" \
+	--key "$WORK/key.pem" --verity --cow-compression none >/dev/null
+"$VABC" -q update init --store "$D/vabc" >/dev/null
+DATA=$WORK/data.img
+mkfs.ext4 -q -F -b 4096 -L data -E root_owner=0:0 -d "$D" "$DATA" 160M
+SYS=$WORK/system.img
+cp "$WORK/v1.img" "$SYS"
+say "images: version 1 $V1, version 2 $V2; bundles $(stat -c %s "$D/bundles/good.vabc") and $(stat -c %s "$D/bundles/bad.vabc") bytes"
+
+# --- One boot: ACTION for the system; with MARKER and MAX_MS, the power is cut at a
+# random moment up to MAX_MS after the guest prints MARKER. Sets LOG, CUT (the cut's
+# delay in ms, or empty) and the facts the guest reported.
+N=0
+boot() {
+	local action=$1 marker=${2:-} max_ms=${3:-0}
+	N=$((N + 1))
+	LOG=$WORK/boot$N.log CUT= MARK=
+	"$HERE/run.sh" --timeout 600 --disk "$SYS,cache=directsync,throttling.bps-write=$((4 << 20))" \
+		--disk "$DATA,cache=directsync" --share "$(dirname "$VABC")" -- \
+		bash "$HERE/guest-device.sh" "$VABC" "$action" >"$LOG" 2>&1 &
+	local pid=$!
+	if [ -n "$marker" ]; then
+		while kill -0 $pid 2>/dev/null && ! grep -Eq "scenario: ($marker)" "$LOG"; do sleep 0.05; done
+		if kill -0 $pid 2>/dev/null; then
+			MARK=$(grep -Eo "scenario: ($marker)" "$LOG" | head -1 | sed 's/^scenario: //')
+			CUT=$((RANDOM % (max_ms + 1)))
+			sleep "$(printf '%d.%03d' $((CUT / 1000)) $((CUT % 1000)))"
+			pkill -KILL -f "file=$SYS," || true
+		fi
+	fi
+	wait $pid || true
+	BOOTED=$(grep -m1 'scenario: booted:' "$LOG" || true)
+	ROOTSHA=$(grep -m1 'scenario: root-sha256' "$LOG" | awk '{print $3}' || true)
+	VERSION=$(echo "$BOOTED" | sed -n 's/.* version \([0-9]*\) .*/\1/p')
+	# The state the boot found (stage 1, before acting on it).
+	STATE=$(sed -n 's/^scenario: initramfs: state \([a-z-]*\).*/\1/p' "$LOG" | head -1)
+	ROOTDEV=$(echo "$BOOTED" | sed -n 's/.*booted: root \([^ ]*\) .*/\1/p')
+	echo "boot $N ($action${CUT:+, power cut ${CUT} ms after \"$MARK\"}): found state ${STATE:-?}; root ${ROOTDEV:-?}, version ${VERSION:-?}"
+	grep -E 'scenario: (install-done|merged|merge-start|read during|health-failed|corrupt-block|end:|initramfs)|vabc update boot:' "$LOG" | sed 's/^/    /' || true
+	if [ -z "$BOOTED" ] && [ -z "$CUT" ]; then
+		fail "boot $N did not reach its system:"
+		tail -30 "$LOG" >&2
+	fi
+}
+# Checks a boot that reached its system (one cut before that has nothing to check:
+# the boot after it tells what the cut left).
+expect() { # WHAT VERSION SHA
+	[ -n "$BOOTED" ] || return 0
+	[ "$VERSION" = "$2" ] || fail "boot $N ($1): version ${VERSION:-?}, expected $2"
+	[ "$ROOTSHA" = "$3" ] || fail "boot $N ($1): the root device reads as ${ROOTSHA:-?}, expected $3"
+}
+
+# A power cut's outcome, told by the boot after it: the state it came up in.
+CUTS=()
+record_cut() { # WHAT PREV_CUT PREV_MARK
+	[ -n "$2" ] || return 0
+	CUTS+=("$1 cut ${2} ms after \"$3\": the next boot found state $STATE and ran ${ROOTDEV:-(cut again before its system came up)}${VERSION:+ (version $VERSION)}")
+}
+
+# --- 1. Install, cut at random moments: until the install is done, every boot runs
+# the old system, and the install resumes.
+landed=0 tries=0 prev= prev_mark=
+while :; do
+	if ((landed < INSTALL_CUTS && tries < INSTALL_CUTS * 3)); then
+		tries=$((tries + 1))
+		boot install-good install-start 2500
+	else
+		boot install-good
+	fi
+	record_cut install "$prev" "$prev_mark"
+	if [ "$STATE" = installed ]; then
+		# The install finished before the power went: this boot runs the new system.
+		expect "first boot of the update" 2 "$V2"
+		break
+	fi
+	[ -n "$prev" ] && [ "$STATE" = installing ] && landed=$((landed + 1))
+	expect "installing" 1 "$V1"
+	case $STATE in none | installing) ;; *) fail "boot $N: state $STATE while installing" ;; esac
+	prev=$CUT prev_mark=$MARK
+	if [ -z "$CUT" ]; then
+		grep -q 'scenario: install-done rc=0 state installed' "$LOG" || { fail "boot $N: the install did not finish"; break; }
+	fi
+	((N < 40)) || { fail "no end to the install"; break; }
+done
+INSTALL_LANDED=$landed
+
+# --- 2. The new system, marked good; the merge cut at random moments: every boot
+# runs the new system (served, verified), and the merge resumes.
+landed=0 tries=0 prev= prev_mark=
+while :; do
+	if ((landed < MERGE_CUTS && tries < MERGE_CUTS * 3)); then
+		tries=$((tries + 1))
+		# A fresh merge starts after mark-good; a resumed one when the daemon starts.
+		boot run "merge-start|initramfs: state merging" 2500
+	else
+		boot run
+	fi
+	record_cut merge "$prev" "$prev_mark"
+	if [ "$STATE" = merged ] || [ "$STATE" = none ]; then
+		# Merged before the power went: this boot mounts the base, the new image.
+		expect "after the merge" 2 "$V2"
+		[ "$ROOTDEV" = /dev/vda ] || fail "boot $N: root $ROOTDEV after the merge, expected the base /dev/vda"
+		break
+	fi
+	[ -n "$prev" ] && [ "$STATE" = merging ] && landed=$((landed + 1))
+	expect "new system" 2 "$V2"
+	[ -z "$BOOTED" ] || [ "$ROOTDEV" = /dev/mapper/vabc-system ] || fail "boot $N: root $ROOTDEV is not the served, verified update"
+	prev=$CUT prev_mark=$MARK
+	if [ -z "$CUT" ]; then
+		grep -q "scenario: end: state merged" "$LOG" || { fail "boot $N: the merge did not finish"; break; }
+	fi
+	if grep -q 'scenario: read during the merge' "$LOG"; then
+		grep -q "scenario: read during the merge: root-sha256 $V2" "$LOG" ||
+			fail "boot $N: the root read during the merge is not the new image"
+		READ_DURING=1
+	fi
+	((N < 80)) || { fail "no end to the merge"; break; }
+done
+MERGE_LANDED=$landed
+[ -n "${READ_DURING:-}" ] || fail "no boot read its root whole while the merge ran"
+
+# --- 3. Merged: the base is the new image, the store clean; install the bad update.
+boot install-bad
+expect "merged" 2 "$V2"
+[ "$ROOTDEV" = /dev/vda ] || fail "boot $N: root $ROOTDEV after the merge, expected the base /dev/vda"
+grep -q 'scenario: store: state$' "$LOG" || fail "boot $N: the store was not cleaned after the merge"
+[ "$(sha "$SYS")" = "$V2" ] || fail "the system disk is not version 2 after the merge"
+grep -q 'scenario: install-done rc=0 state installed' "$LOG" || fail "boot $N: the bad update did not install"
+
+# --- 4. The bad update: two failed boots, then the rollback.
+boot run
+[ "$VERSION" = 3 ] && grep -q 'scenario: health-failed' "$LOG" || fail "boot $N: the bad update did not boot and fail"
+boot corrupt
+[ "$VERSION" = 3 ] || fail "boot $N: version $VERSION, expected the bad update's 3"
+grep -q 'scenario: corrupt-block .*read failed' "$LOG" || fail "boot $N: an altered COW block was served"
+boot run
+expect "rolled back" 2 "$V2"
+[ "$ROOTDEV" = /dev/vda ] && grep -q 'scenario: end: state none' "$LOG" ||
+	fail "boot $N: not rolled back to the base (root $ROOTDEV)"
+grep -q 'vabc update boot: .*rolled back' "$LOG" || fail "boot $N: the boot did not say it rolled back"
+grep -q 'scenario: store: state$' "$LOG" || fail "boot $N: the store was not freed by the rollback"
+[ "$(sha "$SYS")" = "$V2" ] || fail "the system disk is not version 2 after the rollback"
+
+echo "power cuts and what the next boot recovered:"
+for c in "${CUTS[@]}"; do echo "    $c"; done
+say "$N boots; power cuts that landed mid-install: $INSTALL_LANDED, mid-merge: $MERGE_LANDED"
+((INSTALL_LANDED + MERGE_LANDED >= 10)) || fail "only $((INSTALL_LANDED + MERGE_LANDED)) power cuts landed mid-operation (10 wanted)"
+if ((FAILED)); then
+	say "$FAILED check(s) FAILED"
+	exit 1
+fi
+say "PASS"

@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# Stage 2 of a device boot in the VM scenario: PID 1 of the system that booted (the
+# old image, or the new one served from base + COW). Reports what runs (the root
+# device, /etc/version, the update's state, the sha256 of a full read of the root
+# device), then does this boot's ACTION:
+#   install-good|install-bad  install that bundle from the data disk (old system)
+#   run                       the new system's duty: its health check, then
+#                             mark-good and wait for the merge; a failing check
+#                             does nothing (the next boot counts another attempt)
+#   corrupt                   run, then corrupt one REPLACE block of the COW and
+#                             read it back: dm-verity must fail the read (EIO)
+# Ends by writing /out/rc and resetting the machine.
+set -uo pipefail
+source /run/scenario.env
+export PATH=/usr/sbin:/usr/bin
+mount -t tmpfs tmp /tmp
+V=/run/bin/vabc S=/data/vabc
+say() { echo "scenario: $*"; }
+state() { "$V" update status --store $S --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["state"])'; }
+finish() {
+	echo "$1" >/out/rc.tmp && mv /out/rc.tmp /out/rc
+	sync
+	busybox reboot -f
+}
+# The device read whole with O_DIRECT: what the disk (or the served update) holds,
+# not the page cache, where a mounted ext4 keeps its own view of its superblock.
+devsha() { dd if="$1" bs=1M iflag=direct status=none | sha256sum | cut -d' ' -f1; }
+say "booted: root $ROOTDEV version $(cat /etc/version) health $(cat /etc/health) state $(state) on $(sed -n 's|^\([^ ]*\) / .*|\1|p' /proc/mounts | tail -1)"
+say "store: $(ls /data/vabc | tr '\n' ' ' | sed 's/ $//')"
+say "root-sha256 $(devsha "$ROOTDEV")"
+
+# Waits for the merge, printing its progress ("merging DONE/TOTAL ops") as it moves.
+wait_merged() {
+	local t0=$SECONDS last=
+	while :; do
+		local st
+		read -r st prog < <("$V" update status --store $S --json | python3 -c '
+import json, sys
+d = json.load(sys.stdin)
+m = (d["partitions"] or [{}])[0].get("merge") or {}
+print(d["state"], "%s/%s" % (m.get("merged", 0), m.get("total", "?")))')
+		[ "$st" = merged ] && { say "merged ($((SECONDS - t0)) s); root-sha256 $(devsha "$ROOTDEV")"; return 0; }
+		[ "$st" = merging ] || { say "unexpected state $st while merging"; return 1; }
+		[ "$prog" != "$last" ] && say "merging $prog ops" && last=$prog
+		sleep 0.2
+	done
+}
+
+# The system keeps reading its root whole while the merge overwrites the base.
+merge_and_read() {
+	devsha "$ROOTDEV" >/tmp/during &
+	local reader=$! r=0
+	wait_merged || r=1
+	wait $reader
+	say "read during the merge: root-sha256 $(cat /tmp/during)"
+	return $r
+}
+
+rc=0
+case $ACTION in
+install-good | install-bad)
+	# The good update allows 3 boots before mark-good, the bad one 2.
+	if [ "$(state)" = installed ]; then
+		say "install: the update is installed already (this is its boot)"
+	else
+		t0=$SECONDS
+		say "install-start ${ACTION#install-}"
+		"$V" update install --store $S "/data/bundles/${ACTION#install-}.vabc" -b system=/dev/vda \
+			--key /data/keys/pub.pem --max-boot-attempts "$([ "$ACTION" = install-good ] && echo 3 || echo 2)" || rc=$?
+		say "install-done rc=$rc state $(state) ($((SECONDS - t0)) s)"
+	fi
+	;;
+run | corrupt)
+	case $(state) in
+	installed)
+		if [ "$(cat /etc/health)" = ok ]; then
+			"$V" update mark-good --store $S >/dev/null || rc=$?
+			say "merge-start"
+			merge_and_read || rc=1
+		else
+			say "health-failed"
+		fi
+		;;
+	merging)
+		say "merge-start (resumed at boot)"
+		merge_and_read || rc=1
+		;;
+	esac
+	if [ "$ACTION" = corrupt ]; then
+		# One REPLACE block of the COW, stored uncompressed (the bad bundle's device COW),
+		# altered where the daemon reads it: it decodes cleanly, so only dm-verity can
+		# tell; the read must fail and never return the altered bytes.
+		read -r blk off < <("$V" inspect $S/system.cow --ops --json | python3 -c '
+import json, sys
+ops = [o for o in json.load(sys.stdin)["ops"] if o["type"] == "REPLACE"]
+o = ops[len(ops) // 2]
+print(o["new_block"], o["data_offset"])')
+		printf 'corrupted by the scenario' | dd of=$S/system.cow bs=1 seek=$((off + 100)) conv=notrunc status=none
+		sync
+		echo 3 >/proc/sys/vm/drop_caches
+		if dd if="$ROOTDEV" of=/dev/null bs=4096 skip="$blk" count=1 iflag=direct status=none 2>/tmp/dd.err; then
+			say "corrupt-block $blk: READ SUCCEEDED (served altered data)"
+			rc=1
+		else
+			say "corrupt-block $blk: read failed: $(tr '\n' ' ' </tmp/dd.err)"
+			say "corrupt-block dmesg: $(dmesg | grep -i verity | tail -1)"
+		fi
+	fi
+	;;
+esac
+say "end: state $(state) rc $rc"
+finish $rc

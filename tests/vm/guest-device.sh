@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Stage 1 of a device boot in the VM scenario (device.sh): what a device's initramfs
+# does. Runs the project's initramfs hook (packaging/initramfs/vabc-boot.sh) against
+# the system disk (/dev/vda) and the data disk holding the update store (/dev/vdb),
+# mounts the device it names read-only on /newroot, moves the store there, and asks
+# the test init to switch to it; the system's side runs as guest-device-stage2.sh.
+#   guest-device.sh VABC ACTION
+set -uo pipefail
+VABC_SRC=$1 ACTION=$2
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+ROOT=$(cd "$HERE/../.." && pwd)
+for m in ublk_drv dm_verity loop ext4 erofs; do
+	modprobe -d "$VM_KMOD" "$m" || echo "scenario: cannot load $m"
+done
+# The binary and the system's script go where the switch of root carries them (/run):
+# the shares they come from stay behind.
+mkdir -p /run/bin
+cp "$VABC_SRC" /run/bin/vabc
+cp "$HERE/guest-device-stage2.sh" /run/bin/stage2.sh
+export VABC=/run/bin/vabc
+# The state the boot finds (what a power cut left), before the hook acts on it.
+mkdir -p /tmp/data
+if mount -o ro /dev/vdb /tmp/data 2>/dev/null; then
+	echo "scenario: initramfs: state $(/run/bin/vabc update status --store /tmp/data/vabc --json |
+		python3 -c 'import json,sys; print(json.load(sys.stdin)["state"])')"
+	umount /tmp/data
+fi
+t0=$SECONDS
+root=$(sh "$ROOT/packaging/initramfs/vabc-boot.sh" /dev/vdb /data vabc system=/dev/vda --frontend ublk)
+echo "scenario: initramfs: root device $root ($((SECONDS - t0)) s)"
+[ -e /run/vabc/system.log ] && sed 's/^/scenario: daemon: /' /run/vabc/system.log
+mkdir -p /newroot
+mount -o ro "$root" /newroot || { echo "scenario: cannot mount $root"; exit 1; }
+mount --move /data /newroot/data
+# The host's binaries run in the new root from the host's /usr (moved there by the
+# test init); their loader's cache comes along.
+mount --bind /etc/ld.so.cache /newroot/etc/ld.so.cache
+printf 'ACTION=%q\nROOTDEV=%q\n' "$ACTION" "$root" >/run/scenario.env
+echo "/newroot /run/bin/stage2.sh" >/out/switch-root
