@@ -80,10 +80,8 @@ mkroot() { # DIR VERSION HEALTH
 		    open(f"{d}/c.bin", "wb").write(text(30 + v, 4 << 20))
 	PY
 }
-# EROFS, as Android's system partitions are, padded to the partition's 40 MiB. (A
-# mounted ext4 reads differently through the page cache than on disk, its lazily
-# initialised bitmaps filled in memory, so an install's buffered reads of a mounted
-# ext4 base see another image: docs/09-device-updates.md, "Not yet".)
+# EROFS, as Android's system partitions are, padded to the partition's 40 MiB. (An
+# install against a mounted ext4 base is crates/vabc/tests/update_cli.rs's.)
 mkimg() { # VERSION HEALTH IMG
 	rm -rf "$WORK/root"
 	mkroot "$WORK/root" "$1" "$2"

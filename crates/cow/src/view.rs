@@ -17,6 +17,10 @@ use crate::reader::CowReader;
 pub struct SnapshotView<'a> {
     cow: &'a CowReader,
     base: &'a File,
+    /// The base opened with `O_DIRECT` when it is a block device: a mounted file
+    /// system's view of it in the page cache is not what the disk holds
+    /// ([`crate::direct`]).
+    direct: Option<File>,
     base_path: PathBuf,
     base_size: u64,
     size: u64,
@@ -37,6 +41,9 @@ impl<'a> SnapshotView<'a> {
         Ok(SnapshotView {
             cow,
             base,
+            direct: crate::direct::open_if_block_device(base_path)
+                .ok()
+                .flatten(),
             base_path: base_path.to_path_buf(),
             base_size,
             size,
@@ -55,9 +62,11 @@ impl<'a> SnapshotView<'a> {
     fn read_base(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         let avail = self.base_size.saturating_sub(offset).min(buf.len() as u64) as usize;
         if avail > 0 {
-            self.base
-                .read_exact_at(&mut buf[..avail], offset)
-                .map_err(io_err(&self.base_path, "read base", offset))?;
+            match &self.direct {
+                Some(d) => crate::direct::read_exact_at(d, &mut buf[..avail], offset),
+                None => self.base.read_exact_at(&mut buf[..avail], offset),
+            }
+            .map_err(io_err(&self.base_path, "read base", offset))?;
         }
         buf[avail..].fill(0);
         Ok(())

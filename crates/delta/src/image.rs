@@ -31,6 +31,9 @@ pub trait BlockImage: Sync {
 #[derive(Debug)]
 pub struct ImageFile {
     file: File,
+    /// `O_DIRECT` twin of a block device: a mounted file system's view of it in the
+    /// page cache is not what the disk holds (`cow::direct`).
+    direct: Option<File>,
     path: PathBuf,
     /// Bytes actually present in the file or device.
     physical: u64,
@@ -75,8 +78,15 @@ impl ImageFile {
                 blocks,
             });
         }
+        let direct =
+            cow::direct::open_if_block_device(path).map_err(|source| DeltaError::Open {
+                path: path.to_path_buf(),
+                op: "open with O_DIRECT",
+                source,
+            })?;
         Ok(ImageFile {
             file,
+            direct,
             path: path.to_path_buf(),
             physical,
             logical,
@@ -113,14 +123,16 @@ impl BlockImage for ImageFile {
         let present = end.min(self.physical).saturating_sub(offset) as usize;
         let (head, pad) = buf.split_at_mut(present);
         if !head.is_empty() {
-            self.file
-                .read_exact_at(head, offset)
-                .map_err(|source| DeltaError::Read {
-                    path: self.path.clone(),
-                    offset,
-                    len: present,
-                    source,
-                })?;
+            match &self.direct {
+                Some(d) => cow::direct::read_exact_at(d, head, offset),
+                None => self.file.read_exact_at(head, offset),
+            }
+            .map_err(|source| DeltaError::Read {
+                path: self.path.clone(),
+                offset,
+                len: present,
+                source,
+            })?;
         }
         pad.fill(0);
         Ok(())

@@ -219,7 +219,10 @@ impl State {
                 update: update.clone(),
                 boot_attempts: 0,
             }),
-            other => Err(format!("no install under way (the update is {})", other.name())),
+            other => Err(format!(
+                "no install under way (the update is {})",
+                other.name()
+            )),
         }
     }
 
@@ -229,9 +232,10 @@ impl State {
             State::Installed { update, .. } => Ok(State::Merging {
                 update: update.clone(),
             }),
-            State::Merging { .. } | State::Merged { .. } => {
-                Err(format!("already marked good (the update is {})", self.name()))
-            }
+            State::Merging { .. } | State::Merged { .. } => Err(format!(
+                "already marked good (the update is {})",
+                self.name()
+            )),
             other => Err(format!(
                 "there is no installed update to mark good (the update is {})",
                 other.name()
@@ -258,7 +262,10 @@ impl State {
             State::Merging { update } => Ok(State::Merged {
                 update: update.clone(),
             }),
-            other => Err(format!("no merge under way (the update is {})", other.name())),
+            other => Err(format!(
+                "no merge under way (the update is {})",
+                other.name()
+            )),
         }
     }
 }
@@ -379,24 +386,34 @@ impl Store {
 
     /// Opens the store's file `name` for reading.
     pub fn open_file(&self, name: &str) -> Result<std::fs::File> {
-        rustix::fs::openat(&self.dir, name, OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty())
-            .map(std::fs::File::from)
-            .map_err(|e| UpdateError::Io {
-                path: self.path.join(name),
-                op: "open",
-                source: e.into(),
-            })
+        rustix::fs::openat(
+            &self.dir,
+            name,
+            OFlags::RDONLY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map(std::fs::File::from)
+        .map_err(|e| UpdateError::Io {
+            path: self.path.join(name),
+            op: "open",
+            source: e.into(),
+        })
     }
 
     /// Opens the store's file `name` for reading and writing.
     pub fn open_file_rw(&self, name: &str) -> Result<std::fs::File> {
-        rustix::fs::openat(&self.dir, name, OFlags::RDWR | OFlags::CLOEXEC, Mode::empty())
-            .map(std::fs::File::from)
-            .map_err(|e| UpdateError::Io {
-                path: self.path.join(name),
-                op: "open for writing",
-                source: e.into(),
-            })
+        rustix::fs::openat(
+            &self.dir,
+            name,
+            OFlags::RDWR | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map(std::fs::File::from)
+        .map_err(|e| UpdateError::Io {
+            path: self.path.join(name),
+            op: "open for writing",
+            source: e.into(),
+        })
     }
 
     /// The current state.
@@ -572,7 +589,10 @@ mod tests {
         assert_eq!(s2.on_boot(), (BootAction::RollBack, State::None));
         assert_eq!(s1.roll_back().unwrap(), State::None);
         let m = s1.mark_good().unwrap();
-        assert_eq!(m.on_boot(), (BootAction::Snapshot { merge: true }, m.clone()));
+        assert_eq!(
+            m.on_boot(),
+            (BootAction::Snapshot { merge: true }, m.clone())
+        );
         assert!(m.roll_back().unwrap_err().contains("overwritten"));
         assert!(m.mark_good().is_err());
         let d = m.merged().unwrap();
@@ -613,7 +633,10 @@ mod tests {
         assert!(matches!(e, UpdateError::Corrupt { .. }), "{e}");
         assert!(e.to_string().contains("sideways"), "{e}");
         std::fs::write(&state, b"{\"schema_ver").unwrap();
-        assert!(matches!(st.load().unwrap_err(), UpdateError::Corrupt { .. }));
+        assert!(matches!(
+            st.load().unwrap_err(),
+            UpdateError::Corrupt { .. }
+        ));
         std::fs::remove_file(&state).unwrap();
         let e = st.load().unwrap_err();
         assert!(matches!(e, UpdateError::NoState { .. }), "{e}");

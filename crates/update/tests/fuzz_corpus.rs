@@ -44,7 +44,9 @@ fn seeds() -> Vec<(String, Vec<u8>)> {
         ),
         (
             "unknown_state".into(),
-            installed.replace("\"installed\"", "\"sideways\"").into_bytes(),
+            installed
+                .replace("\"installed\"", "\"sideways\"")
+                .into_bytes(),
         ),
         (
             "negative_attempts".into(),

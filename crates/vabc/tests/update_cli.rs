@@ -414,3 +414,97 @@ fn an_install_killed_at_random_points_boots_the_old_system_and_resumes() {
         assert_eq!(d.store_files(), ["state"]);
     }
 }
+
+/// A loop device over a file, with its file system mounted read-only: the running
+/// old system's root. Detached on drop.
+struct Mounted {
+    dev: String,
+    dir: PathBuf,
+}
+
+impl Mounted {
+    fn new(img: &Path, dir: &Path) -> Mounted {
+        let out = Command::new("losetup")
+            .args(["-f", "--show", "-r", s(img)])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "losetup (the tests run as root)");
+        let dev = String::from_utf8(out.stdout).unwrap().trim().to_string();
+        std::fs::create_dir_all(dir).unwrap();
+        let st = Command::new("mount")
+            .args(["-o", "ro", &dev, s(dir)])
+            .status()
+            .unwrap();
+        assert!(st.success(), "mount {dev}");
+        Mounted {
+            dev,
+            dir: dir.to_path_buf(),
+        }
+    }
+}
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.dir).status();
+        let _ = Command::new("losetup").args(["-d", &self.dev]).status();
+    }
+}
+
+/// An ext4 image of one 2 MiB file whose bytes depend on `seed`, made as
+/// `mkfs.ext4 -d` makes it (block groups left for the kernel to initialise).
+fn ext4_image(dir: &Path, name: &str, seed: u8) -> PathBuf {
+    let tree = dir.join(format!("{name}.d"));
+    std::fs::create_dir_all(&tree).unwrap();
+    let data: Vec<u8> = (0..2u32 << 20)
+        .map(|i| (i / 4096) as u8 ^ seed.wrapping_mul((i % 7) as u8))
+        .collect();
+    std::fs::write(tree.join("file"), data).unwrap();
+    let img = dir.join(format!("{name}.img"));
+    let st = Command::new("mkfs.ext4")
+        .args(["-q", "-F", "-b", "4096", "-d", s(&tree), s(&img), "16M"])
+        .status()
+        .unwrap();
+    assert!(st.success(), "mkfs.ext4");
+    img
+}
+
+#[test]
+fn an_install_reads_a_mounted_ext4_base_as_the_disk_holds_it() {
+    let d = Device::new();
+    let dir = d.dir.path();
+    let (old, new) = (ext4_image(dir, "old", 1), ext4_image(dir, "new", 2));
+    let bundle = dir.join("ext4.vabc");
+    let p = format!("system={},{}", old.display(), new.display());
+    ok(&["bundle", "create", "-p", &p, "-o", s(&bundle), "--unsigned"]);
+    let m = Mounted::new(&old, &dir.join("root"));
+    // The precondition: a mounted ext4 fills its lazily initialised bitmaps in the
+    // device's page cache, so read through it the base is not the one on the disk.
+    let cached = {
+        use sha2::Digest;
+        hex::encode(sha2::Sha256::digest(std::fs::read(&m.dev).unwrap()))
+    };
+    assert_ne!(
+        cached,
+        sha256_file(&old),
+        "the page cache holds the mounted ext4's view"
+    );
+    let out = dir.join("out");
+    std::fs::create_dir(&out).unwrap();
+    let b = format!("system={}", m.dev);
+    ok(&[
+        "bundle",
+        "install",
+        s(&bundle),
+        "-b",
+        &b,
+        "-o",
+        s(&out),
+        "--allow-unsigned",
+    ]);
+    drop(m);
+    assert_eq!(
+        std::fs::read_dir(&out).unwrap().count(),
+        2,
+        "the COW and its manifest"
+    );
+}

@@ -663,12 +663,11 @@ fn plan(a: PlanArgs) -> Result<ExitCode> {
     let mut read = 0u64;
     let mut parts = Vec::new();
     for (p, base) in m.partitions.iter().zip(&bases) {
-        let f = File::open(base).with_context(|| format!("cannot open base {}", base.display()))?;
-        let size = cow::view::file_size(&f, base)?;
+        let (size, reader) = base_reader(base)?;
         let found = p
             .image
             .base
-            .first_mismatch(&f, base, size, |_| true)
+            .first_mismatch(&reader, base, size, |_| true)
             .with_context(|| format!("check the base {}", base.display()))?;
         read += size.min(p.image.base.size);
         let bs = cow::BLOCK_SIZE as u64;
@@ -1169,18 +1168,17 @@ fn remove_stale(dir: &Path, name: &str) -> Result<()> {
 /// (it reads the base twice) compared by sha256; only a base that differs is compared
 /// region by region, to name where.
 fn check_base(p: &Partition, base: &Path) -> Result<manifest::ImageId> {
-    let f = File::open(base).with_context(|| format!("cannot open base {}", base.display()))?;
-    let size = cow::view::file_size(&f, base)?;
+    let (size, read) = base_reader(base)?;
     let want = &p.image.base;
     if size >= want.size {
-        let id = manifest::ImageId::compute(&f, base, want.size)
+        let id = manifest::ImageId::compute(&read, base, want.size)
             .with_context(|| format!("check the base {}", base.display()))?;
         if id.sha256 == want.sha256 {
             return Ok(id);
         }
     }
     let found = want
-        .first_mismatch(&f, base, size, |_| true)
+        .first_mismatch(&read, base, size, |_| true)
         .with_context(|| format!("check the base {}", base.display()))?;
     let what = match found {
         Some(m) => m.to_string(),
@@ -1203,6 +1201,32 @@ fn hashfile_bytes(p: &Partition) -> u64 {
             Some(verity::tree_offset(0, true, params.hash_block_size) + tree)
         })
         .unwrap_or(0)
+}
+
+/// A base read as the disk holds it: `O_DIRECT` for a block device, which may be
+/// mounted (the running old system) with its file system's own view of it in the
+/// page cache (`cow::direct`).
+struct BaseReader {
+    file: File,
+    direct: Option<File>,
+}
+
+impl manifest::ReadAt for BaseReader {
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
+        match &self.direct {
+            Some(d) => cow::direct::read_exact_at(d, buf, offset),
+            None => std::os::unix::fs::FileExt::read_exact_at(&self.file, buf, offset),
+        }
+    }
+}
+
+/// A base's size and its [`BaseReader`].
+fn base_reader(base: &Path) -> Result<(u64, BaseReader)> {
+    let file = File::open(base).with_context(|| format!("cannot open base {}", base.display()))?;
+    let size = cow::view::file_size(&file, base)?;
+    let direct = cow::direct::open_if_block_device(base)
+        .with_context(|| format!("cannot open base {} with O_DIRECT", base.display()))?;
+    Ok((size, BaseReader { file, direct }))
 }
 
 /// The COWs (and hash files) that still have to be written must fit in `dir`'s file
