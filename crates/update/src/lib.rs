@@ -400,22 +400,6 @@ impl Store {
         })
     }
 
-    /// Opens the store's file `name` for reading and writing.
-    pub fn open_file_rw(&self, name: &str) -> Result<std::fs::File> {
-        rustix::fs::openat(
-            &self.dir,
-            name,
-            OFlags::RDWR | OFlags::CLOEXEC,
-            Mode::empty(),
-        )
-        .map(std::fs::File::from)
-        .map_err(|e| UpdateError::Io {
-            path: self.path.join(name),
-            op: "open for writing",
-            source: e.into(),
-        })
-    }
-
     /// The current state.
     pub fn load(&self) -> Result<State> {
         let path = self.path.join(STATE_FILE);

@@ -547,17 +547,12 @@ fn a_download_cut_mid_way_resumes_where_it_stopped() {
     let out = d.path().join("out");
     std::fs::create_dir(&out).unwrap();
     let bases = base_args(&parts);
-    let mut args = vec![
-        "bundle",
-        "install",
-        &url,
-        "-o",
-        s(&out),
-        "--key",
-        s(&public),
-    ];
-    args.extend(bases.iter().map(String::as_str));
-    ok(&args);
+    let install = |from: &str, to: &Path| {
+        let mut args = vec!["bundle", "install", from, "-o", s(to), "--key", s(&public)];
+        args.extend(bases.iter().map(String::as_str));
+        ok(&args)
+    };
+    install(&url, &out);
     let log = served.lock().unwrap().clone();
     // Four responses, each from where the one before stopped: no byte twice.
     assert_eq!(log.len(), 4, "{log:?}");
@@ -569,17 +564,7 @@ fn a_download_cut_mid_way_resumes_where_it_stopped() {
     assert_eq!(at, len);
     let want = d.path().join("want");
     std::fs::create_dir(&want).unwrap();
-    let mut args = vec![
-        "bundle",
-        "install",
-        s(&bundle),
-        "-o",
-        s(&want),
-        "--key",
-        s(&public),
-    ];
-    args.extend(bases.iter().map(String::as_str));
-    ok(&args);
+    install(s(&bundle), &want);
     for f in [
         "system.cow",
         "vendor.cow",
@@ -597,17 +582,7 @@ fn a_download_cut_mid_way_resumes_where_it_stopped() {
     // download asks for the second's range (the last payload, ending the file).
     std::fs::remove_file(out.join("vendor.cow")).unwrap();
     let before = log.len();
-    let mut args = vec![
-        "bundle",
-        "install",
-        &url,
-        "-o",
-        s(&out),
-        "--key",
-        s(&public),
-    ];
-    args.extend(bases.iter().map(String::as_str));
-    let o = ok(&args);
+    let o = install(&url, &out);
     assert!(String::from_utf8_lossy(&o.stdout).contains("already installed"));
     let info = ok(&["bundle", "info", "--json", s(&bundle)]);
     let info: serde_json::Value = serde_json::from_slice(&info.stdout).unwrap();

@@ -375,6 +375,51 @@ fn bad_input_changes_nothing_on_the_device() {
 }
 
 #[test]
+fn a_damaged_cow_in_the_store_boots_the_base_until_it_is_rolled_back() {
+    let d = Device::new();
+    d.install();
+    let cow = d.store.join("system.cow");
+    let len = std::fs::metadata(&cow).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&cow)
+        .unwrap()
+        .set_len(len / 2)
+        .unwrap();
+    let boot = || {
+        run_vabc(&[
+            "update",
+            "boot",
+            "--store",
+            s(&d.store),
+            "--frontend",
+            "fuse",
+            "--run-dir",
+            s(&d.run),
+            "--json",
+        ])
+    };
+    // Each boot says why it cannot serve the update, serves nothing (the initramfs
+    // hook then boots the base), and counts the attempt.
+    for attempt in 1..=2 {
+        let o = boot();
+        let e = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{e}");
+        assert!(e.contains("system.cow"), "{e}");
+        assert!(!d.run.join("system.ready").exists());
+        assert_eq!(d.state()["boot_attempts"], attempt);
+        assert_eq!(sha256_file(&d.base), d.old_sha);
+    }
+    let o = boot();
+    assert!(o.status.success());
+    let b = json(&o);
+    assert_eq!(b["state"], "none");
+    assert_eq!(device_of(&b), d.base);
+    assert_eq!(d.store_files(), ["state"]);
+    assert_eq!(sha256_file(&d.base), d.old_sha);
+}
+
+#[test]
 fn an_install_killed_at_random_points_boots_the_old_system_and_resumes() {
     let d = Device::new();
     let args = d.install_args(&d.bundle);

@@ -506,8 +506,15 @@ fn attach(
             break v;
         }
         if let Some(st) = child.try_wait().context("wait for the serving daemon")? {
+            let log = std::fs::read_to_string(log_path).unwrap_or_default();
+            let last = log
+                .lines()
+                .rev()
+                .find(|l| !l.trim().is_empty())
+                .unwrap_or("");
             bail!(
-                "partition {}: the serving daemon exited ({st}) before serving; its log: {}",
+                "partition {}: the serving daemon exited ({st}) before serving: {last} (its \
+                 log: {})",
                 p.name,
                 log_path.display()
             );
@@ -730,15 +737,20 @@ fn status(a: StoreArgs) -> Result<ExitCode> {
     let mut parts = Vec::new();
     if let Some(u) = state.update() {
         for p in &u.partitions {
-            let merge = match store.exists(&p.cow)? {
-                true => Some(merge_progress(&store, p)?),
-                false => None,
+            let present = store.exists(&p.cow)?;
+            // A damaged COW is reported, not a reason to fail: status is how one
+            // finds out.
+            let (merge, damage) = match present.then(|| merge_progress(&store, p)) {
+                Some(Ok(m)) => (Some(m), None),
+                Some(Err(e)) => (None, Some(format!("{e:#}"))),
+                None => (None, None),
             };
             parts.push(serde_json::json!({
                 "name": p.name,
                 "base": p.base,
                 "cow": p.cow,
-                "cow_present": merge.is_some(),
+                "cow_present": present,
+                "cow_error": damage,
                 "merge": merge.map(|m| match m {
                     merge::progress::Progress::NotStarted => serde_json::json!({"merged": 0, "done": false}),
                     merge::progress::Progress::InProgress { merged, total } => serde_json::json!({"merged": merged, "total": total, "done": false}),
@@ -777,7 +789,11 @@ fn status(a: StoreArgs) -> Result<ExitCode> {
                 "  {}: base {}, merge {}",
                 p["name"].as_str().unwrap_or_default(),
                 p["base"].as_str().unwrap_or_default(),
-                p["merge_text"].as_str().unwrap_or("(no COW)")
+                match (p["merge_text"].as_str(), p["cow_error"].as_str()) {
+                    (Some(m), _) => m.to_string(),
+                    (None, Some(e)) => format!("unknown: the COW is damaged: {e}"),
+                    (None, None) => "(no COW)".to_string(),
+                }
             );
         }
     }
