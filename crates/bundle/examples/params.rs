@@ -1,7 +1,9 @@
 //! Experiment: zstd parameter sets on a sample of the bundle's frames (every STEP-th
 //! frame of 1024 blocks against 16 KiB windows of the old image), bytes and seconds
 //! for each. Usage: params OLD NEW (env STEP, default 8).
-use delta::{BlockImage, BlockOp, ImageFile, NoProgress, PlanOptions};
+mod common;
+
+use delta::{ImageFile, NoProgress, PlanOptions};
 use zstd::zstd_safe::{CParameter, Strategy};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -13,47 +15,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .and_then(|s| s.parse().ok())
         .unwrap_or(8);
     let plan = delta::plan(&old, &new, &PlanOptions::default(), &NoProgress)?;
-    let bs = 4096u64;
-    let margin = 16u64 << 10;
-    let data: Vec<_> = plan
-        .ops
-        .iter()
-        .filter(|p| matches!(p.op, BlockOp::Xor { .. } | BlockOp::Replace))
-        .collect();
     let mut frames = Vec::new();
-    for chunk in data.chunks(1024).step_by(step) {
-        let mut wins: Vec<(u64, u64)> = chunk
-            .iter()
-            .map(|p| {
-                let c = bundle::data::context_offset(&plan, p.dst).unwrap_or(0);
-                (c.saturating_sub(margin), (c + bs + margin).min(old.size()))
-            })
-            .collect();
-        wins.sort();
-        let mut merged: Vec<(u64, u64)> = Vec::new();
-        for (a, b) in wins {
-            match merged.last_mut() {
-                Some(l) if a <= l.1 => l.1 = l.1.max(b),
-                _ => merged.push((a, b)),
-            }
-        }
-        let mut prefix = Vec::new();
-        for (a, b) in merged {
-            let at = prefix.len();
-            prefix.resize(at + (b - a) as usize, 0);
-            old.read_exact_at(&mut prefix[at..], a)?;
-        }
-        let mut content = vec![0u8; chunk.len() * 4096];
-        for (i, p) in chunk.iter().enumerate() {
-            new.read_exact_at(&mut content[i * 4096..(i + 1) * 4096], p.dst * bs)?;
-        }
-        frames.push((prefix, content));
-    }
-    println!(
-        "{} data blocks, {} frames sampled (every {step})",
-        data.len(),
-        frames.len()
-    );
+    common::for_each_frame(&plan, &old, &new, 16 << 10, step, |p, c| {
+        frames.push((p, c));
+        Ok(())
+    })?;
+    println!("{} frames sampled (every {step})", frames.len());
     let sets = std::env::var("SETS").unwrap_or("19".into());
     for set in sets.split(';') {
         // level[,strategy][,slog][,tlen][,clog][,hlog][,mml]

@@ -169,6 +169,16 @@ impl Device {
         }
     }
 
+    /// `b` (a boot's report) mounted the base, which holds `sha`, with no update left
+    /// in the store.
+    fn assert_booted_base(&self, b: &serde_json::Value, sha: &str) {
+        assert_eq!(b["state"], "none", "{b}");
+        assert_eq!(b["partitions"][0]["served"], false, "{b}");
+        assert_eq!(device_of(b), self.base);
+        assert_eq!(self.store_files(), ["state"]);
+        assert_eq!(sha256_file(&self.base), sha);
+    }
+
     fn store_files(&self) -> Vec<String> {
         let mut v: Vec<String> = std::fs::read_dir(&self.store)
             .unwrap()
@@ -265,12 +275,7 @@ fn an_update_boots_from_its_cow_merges_once_marked_good_and_leaves_a_clean_store
 
     // The next boot mounts the base and removes the COW.
     d.power_off();
-    let b = d.boot();
-    assert_eq!(b["state"], "none");
-    assert_eq!(b["partitions"][0]["served"], false);
-    assert_eq!(device_of(&b), d.base);
-    assert_eq!(d.store_files(), ["state"]);
-    assert_eq!(sha256_file(&d.base), d.new_sha);
+    d.assert_booted_base(&d.boot(), &d.new_sha);
 }
 
 #[test]
@@ -285,11 +290,8 @@ fn a_new_system_never_marked_good_is_rolled_back_after_its_boots() {
         d.power_off();
     }
     let b = d.boot();
-    assert_eq!(b["state"], "none");
     assert!(b["note"].as_str().unwrap().contains("rolled back"), "{b}");
-    assert_eq!(device_of(&b), d.base);
-    assert_eq!(sha256_file(&d.base), d.old_sha, "the base is untouched");
-    assert_eq!(d.store_files(), ["state"]);
+    d.assert_booted_base(&b, &d.old_sha);
 }
 
 #[test]
@@ -412,11 +414,7 @@ fn a_damaged_cow_in_the_store_boots_the_base_until_it_is_rolled_back() {
     }
     let o = boot();
     assert!(o.status.success());
-    let b = json(&o);
-    assert_eq!(b["state"], "none");
-    assert_eq!(device_of(&b), d.base);
-    assert_eq!(d.store_files(), ["state"]);
-    assert_eq!(sha256_file(&d.base), d.old_sha);
+    d.assert_booted_base(&json(&o), &d.old_sha);
 }
 
 #[test]
