@@ -140,6 +140,21 @@ pub struct PayloadInfo {
     pub data_bytes: u64,
 }
 
+impl PayloadInfo {
+    /// A payload of a plan section of `plan_length` bytes and `data_bytes` of decoded
+    /// data, not yet placed: [`BundleWriter::add_partition`] fills in where it is and
+    /// what it hashes to.
+    pub fn unplaced(plan_length: u64, data_bytes: u64) -> PayloadInfo {
+        PayloadInfo {
+            offset: 0,
+            length: 0,
+            sha256: String::new(),
+            plan_length,
+            data_bytes,
+        }
+    }
+}
+
 impl BundleManifest {
     /// The partition named `name`.
     pub fn partition(&self, name: &str) -> Option<&Partition> {

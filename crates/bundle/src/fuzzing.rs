@@ -159,13 +159,7 @@ pub fn sample(
             sha256: hex::encode(sha2::Sha256::digest(&cow)),
         },
         plan: PlanCounts::default(),
-        payload: PayloadInfo {
-            offset: 0,
-            length: 0,
-            sha256: String::new(),
-            plan_length: 8 + plan_bytes.len() as u64,
-            data_bytes,
-        },
+        payload: PayloadInfo::unplaced(8 + plan_bytes.len() as u64, data_bytes),
         verity: None,
     })?;
     w.finish(key, "vabc fuzz sample")?;

@@ -69,6 +69,37 @@ pub fn read_exact_at(file: &File, buf: &mut [u8], offset: u64) -> io::Result<()>
     Ok(())
 }
 
+/// A file or block device read as its storage holds it: a block device through its
+/// `O_DIRECT` twin ([`open_if_block_device`]), anything else through the page cache.
+#[derive(Debug)]
+pub struct Disk {
+    file: File,
+    direct: Option<File>,
+}
+
+impl Disk {
+    /// Opens `path` read-only (and its `O_DIRECT` twin when it is a block device).
+    pub fn open(path: &Path) -> io::Result<Disk> {
+        Ok(Disk {
+            file: File::open(path)?,
+            direct: open_if_block_device(path)?,
+        })
+    }
+
+    /// The descriptor opened through the page cache (for its size, say).
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
+    /// Fills `buf` from `offset`.
+    pub fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        match &self.direct {
+            Some(d) => read_exact_at(d, buf, offset),
+            None => self.file.read_exact_at(buf, offset),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -4,9 +4,7 @@
 //! NEW and single candidate regions of OLD with positioned reads, so several
 //! threads share one file descriptor without seeking.
 
-use std::fs::File;
 use std::io::{Seek, SeekFrom};
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use crate::BLOCK_SIZE;
@@ -30,10 +28,9 @@ pub trait BlockImage: Sync {
 /// image.
 #[derive(Debug)]
 pub struct ImageFile {
-    file: File,
-    /// `O_DIRECT` twin of a block device: a mounted file system's view of it in the
-    /// page cache is not what the disk holds (`cow::direct`).
-    direct: Option<File>,
+    /// A block device is read with `O_DIRECT`: a mounted file system's view of it in
+    /// the page cache is not what the disk holds (`cow::direct`).
+    disk: cow::direct::Disk,
     path: PathBuf,
     /// Bytes actually present in the file or device.
     physical: u64,
@@ -45,11 +42,12 @@ impl ImageFile {
     /// Open `path` (regular file or block device). Without `pad`, a size that
     /// is not a multiple of 4096 is rejected.
     pub fn open(path: &Path, pad: bool) -> Result<ImageFile> {
-        let mut file = File::open(path).map_err(|source| DeltaError::Open {
+        let disk = cow::direct::Disk::open(path).map_err(|source| DeltaError::Open {
             path: path.to_path_buf(),
             op: "open",
             source,
         })?;
+        let mut file = disk.file();
         // Block devices report a zero length in their metadata; seeking to
         // the end gives the real size for both files and devices.
         let physical = file
@@ -78,15 +76,8 @@ impl ImageFile {
                 blocks,
             });
         }
-        let direct =
-            cow::direct::open_if_block_device(path).map_err(|source| DeltaError::Open {
-                path: path.to_path_buf(),
-                op: "open with O_DIRECT",
-                source,
-            })?;
         Ok(ImageFile {
-            file,
-            direct,
+            disk,
             path: path.to_path_buf(),
             physical,
             logical,
@@ -123,16 +114,14 @@ impl BlockImage for ImageFile {
         let present = end.min(self.physical).saturating_sub(offset) as usize;
         let (head, pad) = buf.split_at_mut(present);
         if !head.is_empty() {
-            match &self.direct {
-                Some(d) => cow::direct::read_exact_at(d, head, offset),
-                None => self.file.read_exact_at(head, offset),
-            }
-            .map_err(|source| DeltaError::Read {
-                path: self.path.clone(),
-                offset,
-                len: present,
-                source,
-            })?;
+            self.disk
+                .read_exact_at(head, offset)
+                .map_err(|source| DeltaError::Read {
+                    path: self.path.clone(),
+                    offset,
+                    len: present,
+                    source,
+                })?;
         }
         pad.fill(0);
         Ok(())

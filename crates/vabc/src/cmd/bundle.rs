@@ -496,13 +496,7 @@ fn create_partition(
             zero: c.zero,
             replace: c.replace,
         },
-        payload: PayloadInfo {
-            offset: 0,
-            length: 0,
-            sha256: String::new(),
-            plan_length: 8 + plan_bytes.len() as u64,
-            data_bytes,
-        },
+        payload: PayloadInfo::unplaced(8 + plan_bytes.len() as u64, data_bytes),
         verity,
     })
 }
@@ -1203,30 +1197,16 @@ fn hashfile_bytes(p: &Partition) -> u64 {
         .unwrap_or(0)
 }
 
-/// A base read as the disk holds it: `O_DIRECT` for a block device, which may be
+/// A base's size and a reader of it as the disk holds it: a block device may be
 /// mounted (the running old system) with its file system's own view of it in the
 /// page cache (`cow::direct`).
-struct BaseReader {
-    file: File,
-    direct: Option<File>,
-}
-
-impl manifest::ReadAt for BaseReader {
-    fn read_at(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
-        match &self.direct {
-            Some(d) => cow::direct::read_exact_at(d, buf, offset),
-            None => std::os::unix::fs::FileExt::read_exact_at(&self.file, buf, offset),
-        }
-    }
-}
-
-/// A base's size and its [`BaseReader`].
-fn base_reader(base: &Path) -> Result<(u64, BaseReader)> {
-    let file = File::open(base).with_context(|| format!("cannot open base {}", base.display()))?;
-    let size = cow::view::file_size(&file, base)?;
-    let direct = cow::direct::open_if_block_device(base)
-        .with_context(|| format!("cannot open base {} with O_DIRECT", base.display()))?;
-    Ok((size, BaseReader { file, direct }))
+fn base_reader(base: &Path) -> Result<(u64, impl manifest::ReadAt)> {
+    let disk = cow::direct::Disk::open(base)
+        .with_context(|| format!("cannot open base {}", base.display()))?;
+    let size = cow::view::file_size(disk.file(), base)?;
+    Ok((size, move |off: u64, buf: &mut [u8]| {
+        disk.read_exact_at(buf, off)
+    }))
 }
 
 /// The COWs (and hash files) that still have to be written must fit in `dir`'s file
