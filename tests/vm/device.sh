@@ -46,7 +46,15 @@ done
 VABC=$(realpath "${VABC:-$ROOT/target/debug/vabc}")
 [ -x "$VABC" ] || { echo "device: no vabc binary at $VABC (build it first)" >&2; exit 1; }
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/vabc-device.XXXXXX")
-trap 'pkill -KILL -f "file=$WORK/" 2>/dev/null; [ -n "${VABC_KEEP:-}" ] || rm -rf "$WORK"' EXIT
+# The trap runs under set -e and decides the exit status: pkill finding no emulator
+# left (its status 1) must not turn a pass into a failure.
+cleanup() {
+	local rc=$?
+	pkill -KILL -f "file=$WORK/" 2>/dev/null || true
+	[ -n "${VABC_KEEP:-}" ] || rm -rf "$WORK"
+	exit "$rc"
+}
+trap cleanup EXIT
 say() { echo "device: $*" >&2; }
 fail() { say "FAIL: $*"; FAILED=$((FAILED + 1)); }
 FAILED=0
