@@ -10,7 +10,7 @@ PKGS=(
 	build-essential pkg-config bc time
 	e2fsprogs erofs-utils util-linux mount fuse3
 	qemu-utils libnbd-bin qemu-system-common
-	cryptsetup-bin fio openssl man-db
+	cryptsetup-bin fio openssl man-db blktrace
 	xdelta3 zstd bsdiff xz-utils
 	python3 python3-pip python3-numpy
 )

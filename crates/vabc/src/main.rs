@@ -57,6 +57,9 @@ enum Command {
     /// The device side: install an update into a store, boot it from base + COW,
     /// mark it good (merge) or roll it back.
     Update(cmd::update::Args),
+    /// Block-layer tracing: record the kernel's block events (blktrace's), report
+    /// btt's breakdown of where each request's time went.
+    Trace(cmd::trace::Args),
     /// Write the manual pages (vabc.1, vabc-diff.1, ...) into a folder.
     Man(cmd::docs::ManArgs),
     /// Print the completion script for a shell (bash, zsh, fish, elvish, powershell).
@@ -88,6 +91,8 @@ fn main() -> std::process::ExitCode {
         _ if serving => None,
         Command::Merge(_) => Some("the merge is crash-safe: run the same command to resume"),
         Command::Update(_) => Some("the update's state is crash-safe: see `vabc update status`"),
+        // A recording ends on Ctrl-C and writes what it has.
+        Command::Trace(_) => None,
         _ => Some("no output was written"),
     };
     if let Some(note) = note
@@ -108,6 +113,7 @@ fn main() -> std::process::ExitCode {
         Command::Manifest(a) => cmd::manifest::run(a),
         Command::Bundle(a) => cmd::bundle::run(a),
         Command::Update(a) => cmd::update::run(a),
+        Command::Trace(a) => cmd::trace::run(a),
         Command::Man(a) => cmd::docs::man(a, Cli::command()),
         Command::Completions(a) => cmd::docs::completions(a, Cli::command()),
     };

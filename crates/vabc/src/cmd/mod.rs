@@ -8,5 +8,6 @@ pub mod inspect;
 pub mod manifest;
 pub mod merge;
 pub mod serve;
+pub mod trace;
 pub mod update;
 pub mod verity;
