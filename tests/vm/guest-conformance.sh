@@ -176,6 +176,27 @@ bad_cow_kernel_verity() {
 	return $rc
 }
 
+# The same cold reads of the served device recorded by blktrace and by `vabc trace
+# record` at once; btt and `vabc trace report` analyse blktrace's files.
+blktrace_agrees() {
+	local d=$T/bt bt i
+	rm -rf $d && mkdir -p $d
+	mountpoint -q /sys/kernel/debug || mount -t debugfs none /sys/kernel/debug
+	drop_caches
+	blktrace -d "$DEV" -D $d -o cap >$d/blktrace.log 2>&1 &
+	bt=$!
+	for i in $(seq 100); do [ -e $d/cap.blktrace.0 ] && break; sleep 0.1; done
+	"$VABC" trace record -d "$DEV" -o $d/ours --json -- sh -c \
+		"dd if=$DEV of=/dev/null bs=256k iflag=direct status=none &&
+		 fio --name=r --filename=$DEV --rw=randread --bs=4k --iodepth=8 --ioengine=io_uring \
+		 --direct=1 --runtime=2 --time_based --output=/dev/null" >$d/ours.json || return 1
+	kill -INT $bt && wait $bt
+	blkparse -D $d -i cap -d $d/cap.bin -O >/dev/null || return 1
+	(cd $d && btt -i cap.bin >btt.txt) || return 1
+	"$VABC" trace report $d/cap --json >$d/theirs.json || return 1
+	python3 "$HERE/btt_agrees.py" $d/btt.txt $d/theirs.json --same-n $d/ours.json
+}
+
 for FS in $FSES; do
 	# shellcheck disable=SC1090
 	source "$WORK/$FS.env" # SIZE SHA ROOT_HASH BAD_BLOCK FSTYPE OLD_IMG NEW_IMG
@@ -201,6 +222,7 @@ for FS in $FSES; do
 		drop_caches
 		check "O_DIRECT read: sha256 equals the new image" direct_sha
 		check "random O_DIRECT reads" $CHECK direct "$DEV" "$NEW" --reads 300
+		[ "$FRONT" = ublk ] && check "blktrace + btt and vabc trace agree: N per stage, averages within 1%" blktrace_agrees
 		drop_caches
 		check "8 concurrent readers" $CHECK readers "$DEV" "$NEW" --procs 8 --reads 60
 		drop_caches
