@@ -112,6 +112,25 @@ pub struct Analysis {
     /// events for which no outstanding bio was found.
     pub unmatched: u64,
     pub events: u64,
+    /// Every completed bio's moments (kept by [`Analysis::with_ios`]).
+    pub ios: Vec<Io>,
+    keep_ios: bool,
+}
+
+/// One completed bio: when it was queued, got a request, was inserted, merged,
+/// issued and completed (nanoseconds, the trace's clock).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Io {
+    pub dev: Dev,
+    pub write: bool,
+    pub sector: u64,
+    pub sectors: u64,
+    pub q: u64,
+    pub g: Option<u64>,
+    pub i: Option<u64>,
+    pub m: Option<u64>,
+    pub d: Option<u64>,
+    pub c: u64,
 }
 
 /// A bio in flight.
@@ -183,7 +202,20 @@ fn seek(prev: (u64, u64), start: u64, end: u64) -> u64 {
 impl Analysis {
     /// Analyses events in time order.
     pub fn new(events: &[Event]) -> Analysis {
-        let mut a = Analysis::default();
+        Analysis::run(events, false)
+    }
+
+    /// As [`Analysis::new`], keeping every completed bio in [`Analysis::ios`] (for a
+    /// time line).
+    pub fn with_ios(events: &[Event]) -> Analysis {
+        Analysis::run(events, true)
+    }
+
+    fn run(events: &[Event], keep_ios: bool) -> Analysis {
+        let mut a = Analysis {
+            keep_ios,
+            ..Analysis::default()
+        };
         let mut devs: HashMap<Dev, DevState> = HashMap::new();
         for ev in events {
             a.events += 1;
@@ -342,6 +374,20 @@ impl Analysis {
                     let Some(b) = st.bios.remove(&k) else {
                         continue;
                     };
+                    if self.keep_ios {
+                        self.ios.push(Io {
+                            dev,
+                            write: b.write,
+                            sector: k,
+                            sectors: b.end.saturating_sub(k),
+                            q: b.q,
+                            g: b.g,
+                            i: b.i,
+                            m: b.m,
+                            d: b.d,
+                            c: t,
+                        });
+                    }
                     self.sample(dev, b.write, Q2C, b.q, t);
                     if let Some(d) = b.d {
                         self.sample(dev, b.write, D2C, d, t);

@@ -16,6 +16,7 @@
 
 pub mod blktrace;
 pub mod btt;
+pub mod timeline;
 pub mod tracefs;
 
 /// The fuzz targets' bodies (`fuzz/fuzz_targets/blktrace_read.rs`,

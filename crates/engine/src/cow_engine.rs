@@ -569,6 +569,7 @@ impl CowEngine {
         match seg {
             Seg::Base { offset, .. } => {
                 self.stats.base_reads.fetch_add(1, Ordering::Relaxed);
+                let _span = trace::spans::span("base read", offset, dst.len() as u64);
                 self.base.read_exact_at(dst, offset)
             }
             Seg::Zero { .. } => {
@@ -596,6 +597,7 @@ impl CowEngine {
         dst: &mut [u8],
     ) -> Result<()> {
         let op = &self.reader.ops()[op_index as usize];
+        let _span = trace::spans::span("decode", op.data_offset, u64::from(op.data_length));
         let unit = op.unit_size();
         if unit_offset == 0 && len == unit {
             self.stats.unit_decodes.fetch_add(1, Ordering::Relaxed);
@@ -639,7 +641,9 @@ impl CowEngine {
         STORED.with(|s| {
             let mut stored = s.borrow_mut();
             stored.resize(op.data_length as usize, 0);
+            let span = trace::spans::span("cow read", op.data_offset, stored.len() as u64);
             cow.read_exact_at(&mut stored, op.data_offset)?;
+            drop(span);
             Ok(self.reader.decode_payload(op, &stored, out)?)
         })
     }
@@ -652,6 +656,7 @@ impl CowEngine {
         dst: &mut [u8],
     ) -> Result<()> {
         let op = &self.reader.ops()[op_index as usize];
+        let _span = trace::spans::span("xor", op.source, len as u64);
         let mut payload = [0u8; BLOCK_SIZE];
         self.reader.read_payload(op, &mut payload)?;
         self.stats.base_reads.fetch_add(1, Ordering::Relaxed);
@@ -706,14 +711,15 @@ impl CowEngine {
             return Ok(());
         }
         let start = Instant::now();
+        let _span = trace::spans::span("engine read", offset, buf.len() as u64);
         self.active.fetch_add(1, Ordering::Relaxed);
         let r = self
             .read_unverified(buf, offset)
             .and_then(|()| match &self.verifier {
-                Some(v) if verify => self
-                    .stats
-                    .checks
-                    .time(|| self.verify(v.as_ref(), buf, offset, true)),
+                Some(v) if verify => self.stats.checks.time(|| {
+                    let _span = trace::spans::span("verity check", offset, buf.len() as u64);
+                    self.verify(v.as_ref(), buf, offset, true)
+                }),
                 _ => Ok(()),
             });
         self.active.fetch_sub(1, Ordering::Relaxed);
@@ -949,10 +955,10 @@ impl BlockDevice for CowEngine {
     fn check(&self, data: &[u8], offset: u64) -> Result<()> {
         check_range(offset, data.len(), self.size)?;
         match &self.verifier {
-            Some(v) if !data.is_empty() => self
-                .stats
-                .checks
-                .time(|| self.verify(v.as_ref(), data, offset, false)),
+            Some(v) if !data.is_empty() => self.stats.checks.time(|| {
+                let _span = trace::spans::span("verity check", offset, data.len() as u64);
+                self.verify(v.as_ref(), data, offset, false)
+            }),
             _ => Ok(()),
         }
     }

@@ -492,6 +492,7 @@ impl Shared {
                         return;
                     }
                     let out = buf.slice_mut(job.len as usize);
+                    let _span = trace::spans::span("nbd read", job.offset, u64::from(job.len));
                     let result = read_then(&*dev, readahead.as_deref(), out, job.offset, |data| {
                         job.conn.read_reply(job.cookie, job.offset, 0, data)
                     });

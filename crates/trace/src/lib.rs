@@ -7,6 +7,8 @@
 //! minutes, in 2 KiB. A [`Snapshot`] is read without stopping the writers (each counter
 //! is read once; a snapshot taken while requests complete may be a request or two off).
 
+pub mod spans;
+
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};

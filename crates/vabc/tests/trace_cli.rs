@@ -2,8 +2,12 @@
 //! checked against btt's on the same capture (blkparse and btt from Debian's
 //! blktrace: the trace files we write are blktrace's format).
 
+mod serve_common;
+
 use std::path::Path;
 use std::process::{Command, Output};
+
+use serve_common::{Server, os};
 
 fn vabc(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_vabc"))
@@ -242,4 +246,187 @@ fn bad_input_is_named() {
         "no trace",
     );
     assert!(e.contains("no blktrace files"), "{e}");
+}
+
+/// A span of the time line: (thread, start µs, end µs).
+fn spans<'a>(
+    events: &'a [serde_json::Value],
+    name: &str,
+) -> Vec<(&'a serde_json::Value, f64, f64)> {
+    events
+        .iter()
+        .filter(|e| e["ph"] == "X" && e["name"] == name)
+        .map(|e| {
+            let ts = e["ts"].as_f64().unwrap();
+            (&e["tid"], ts, ts + e["dur"].as_f64().unwrap())
+        })
+        .collect()
+}
+
+/// `serve --trace`: one cold, verified 64 KiB read through FUSE is one time line from
+/// the FUSE request through the engine, the decoding of its REPLACE blocks and the
+/// dm-verity check down to the base disk's bio (Q, D, C), and the spans of each
+/// thread nest as Perfetto draws them.
+#[test]
+fn a_served_verified_cold_read_is_one_time_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = dir.path();
+    let old = t.join("old.img");
+    let dev = Loop::new(&old, 8);
+    // The new image: every 7th block from 100 on rewritten (REPLACE), the rest as in old.
+    let mut new = std::fs::read(&old).unwrap();
+    for b in (100..1200).step_by(7) {
+        let text = format!("new data of block {b} ").repeat(200);
+        new[b * 4096..b * 4096 + 4096].copy_from_slice(&text.as_bytes()[..4096]);
+    }
+    std::fs::write(t.join("new.img"), &new).unwrap();
+    let cow = t.join("u.cow");
+    let o = vabc(&[
+        "diff",
+        old.to_str().unwrap(),
+        t.join("new.img").to_str().unwrap(),
+        "-o",
+        cow.to_str().unwrap(),
+        "--verity",
+        "--json",
+    ]);
+    let diff: serde_json::Value = serde_json::from_str(&ok(&o, "diff")).unwrap();
+    let root = diff["verity"]["root_hash"].as_str().unwrap().to_string();
+    let fuse = t.join("fuse");
+    std::fs::create_dir(&fuse).unwrap();
+    let prefix = t.join("tl");
+    let hash = t.join("u.cow.verity");
+    let server = Server::start_logged(
+        &[
+            os("--base"),
+            os(&dev.0),
+            os("--cow"),
+            cow.as_os_str(),
+            os("--verity-hash"),
+            hash.as_os_str(),
+            os("--root-hash"),
+            os(&root),
+            os("--fuse"),
+            fuse.as_os_str(),
+            os("--trace"),
+            prefix.as_os_str(),
+        ],
+        &t.join("serve.log"),
+    );
+    // Blocks 96..112: base blocks and the REPLACE blocks 100 and 107.
+    let o = Command::new("dd")
+        .args([
+            format!("if={}/disk.img", fuse.display()),
+            "of=/dev/null".into(),
+            "bs=64k".into(),
+            "skip=6".into(),
+            "count=1".into(),
+            "iflag=direct".into(),
+        ])
+        .output()
+        .unwrap();
+    ok(&o, "dd through FUSE");
+    assert!(server.stop().success());
+    let trace: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(t.join("tl.json")).unwrap()).unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+
+    // Every thread's spans nest (or are disjoint), and every thread is named.
+    let mut by_tid: std::collections::BTreeMap<u64, Vec<(f64, f64)>> = Default::default();
+    for e in events.iter().filter(|e| e["ph"] == "X") {
+        let ts = e["ts"].as_f64().unwrap();
+        let dur = e["dur"].as_f64().unwrap();
+        assert!(ts >= 0.0 && dur >= 0.0, "{e}");
+        by_tid
+            .entry(e["tid"].as_u64().unwrap())
+            .or_default()
+            .push((ts, ts + dur));
+        assert!(
+            events
+                .iter()
+                .any(|m| m["ph"] == "M" && m["name"] == "thread_name" && m["tid"] == e["tid"])
+        );
+    }
+    for (tid, spans) in &by_tid {
+        for a in spans {
+            for b in spans {
+                let disjoint = a.1 <= b.0 || b.1 <= a.0;
+                let nested = (a.0 <= b.0 && b.1 <= a.1) || (b.0 <= a.0 && a.1 <= b.1);
+                assert!(
+                    disjoint || nested,
+                    "thread {tid}: {a:?} and {b:?} overlap without nesting"
+                );
+            }
+        }
+    }
+
+    // The request: FUSE read of 64 KiB at 384 KiB ⊃ engine read on the same thread ⊃
+    // decode and the verity check; the base disk's bio inside the engine read.
+    let inside = |outer: &(&serde_json::Value, f64, f64),
+                  inner: &(&serde_json::Value, f64, f64)| {
+        outer.1 <= inner.1 && inner.2 <= outer.2
+    };
+    let fuse_read = events
+        .iter()
+        .find(|e| e["ph"] == "X" && e["name"] == "fuse read" && e["args"]["offset"] == 393216)
+        .unwrap_or_else(|| {
+            panic!(
+                "no FUSE read span of the request: {:?}",
+                spans(events, "fuse read")
+            )
+        });
+    let f = (
+        &fuse_read["tid"],
+        fuse_read["ts"].as_f64().unwrap(),
+        fuse_read["ts"].as_f64().unwrap() + fuse_read["dur"].as_f64().unwrap(),
+    );
+    let engine = spans(events, "engine read")
+        .into_iter()
+        .find(|e| e.0 == f.0 && inside(&f, e))
+        .expect("engine read inside the FUSE read");
+    assert!(
+        spans(events, "decode").iter().any(|d| inside(&engine, d)),
+        "no decode inside the engine read"
+    );
+    assert!(
+        spans(events, "verity check")
+            .iter()
+            .any(|v| v.0 == engine.0 && inside(&engine, v)),
+        "no verity check inside the engine read"
+    );
+    let loop_name = format!("({})", dev.0.trim_start_matches("/dev/"));
+    let base_pid = events
+        .iter()
+        .find(|e| {
+            e["ph"] == "M"
+                && e["name"] == "process_name"
+                && e["args"]["name"].as_str().unwrap().ends_with(&loop_name)
+        })
+        .expect("the base disk's track")["pid"]
+        .clone();
+    let bio_begin = events.iter().filter(|e| {
+        e["pid"] == base_pid && e["ph"] == "b" && e["name"].as_str().unwrap().starts_with("read ")
+    });
+    let within = bio_begin.filter(|b| {
+        let end = events
+            .iter()
+            .find(|e| e["ph"] == "e" && e["id"] == b["id"] && e["name"] == b["name"])
+            .unwrap();
+        engine.1 <= b["ts"].as_f64().unwrap() && end["ts"].as_f64().unwrap() <= engine.2
+    });
+    let bio = within
+        .clone()
+        .next()
+        .expect("a base-disk bio (Q to C) inside the engine read");
+    for stage in ["Q2D", "D2C"] {
+        assert!(
+            events
+                .iter()
+                .any(|e| e["ph"] == "b" && e["name"] == stage && e["id"] == bio["id"]),
+            "{stage} of the bio"
+        );
+    }
+    // The trace's blktrace files report too.
+    let o = vabc(&["trace", "report", prefix.to_str().unwrap(), "--json"]);
+    ok(&o, "report of serve's trace");
 }

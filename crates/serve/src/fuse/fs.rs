@@ -130,6 +130,7 @@ impl DiskFs {
                 let Some(buf) = out.get_mut(..n) else {
                     return Error(libc::EINVAL);
                 };
+                let _span = trace::spans::span("fuse read", r.offset, n as u64);
                 match self.dev.read_at(buf, r.offset) {
                     Ok(()) => Reply(n),
                     Err(e) => {

@@ -214,6 +214,12 @@ impl<'d> QueueCore<'d> {
     /// Executes `desc` against the device with `buf` as the tag's data buffer. Returns
     /// what is committed: bytes transferred or `-errno`.
     pub fn handle(&self, desc: &IoDesc, buf: &mut [u8]) -> i32 {
+        let _span = match desc.byte_range() {
+            Some((off, len)) if desc.op() == IoOp::Read => {
+                trace::spans::span("ublk read", off, len as u64)
+            }
+            _ => None,
+        };
         let r = self.execute(desc, buf);
         if r < 0 {
             self.stats.errors.fetch_add(1, Ordering::Relaxed);

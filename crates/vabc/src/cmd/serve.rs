@@ -123,6 +123,13 @@ pub struct Args {
     /// or without this flag.
     #[arg(long)]
     pub stats: bool,
+    /// Record a time line while serving: each read's spans (frontend request, engine
+    /// read, decode, verity check, base and COW reads) and every block device's
+    /// events (tracefs, as `vabc trace record`), written on exit as PREFIX.json (open
+    /// it in ui.perfetto.dev) and PREFIX.blktrace.CPU (`vabc trace report`, blkparse,
+    /// btt). Needs root for tracefs.
+    #[arg(long, value_name = "PREFIX")]
+    pub trace: Option<PathBuf>,
     /// Merge the COW into the base in the background while serving: the base
     /// becomes the new image in place (crash-safe, resumable), and every read
     /// stays correct before, during and after each op's merge.
@@ -283,6 +290,11 @@ pub(crate) fn run_with(args: Args, trigger: Option<MergeTrigger>) -> anyhow::Res
         ublk: Arc::default(),
         readahead: Arc::default(),
     };
+    // Started before the frontends, so the served device's first requests are in it.
+    let recorder = match &args.trace {
+        Some(prefix) => Some(super::trace::Timeline::start(prefix)?),
+        None => None,
+    };
     let fronts = Frontends::start(&args, pre, engine, &stats)?;
     if let Some(path) = &args.ready_file {
         fronts.write_ready_report(path, size)?;
@@ -315,6 +327,13 @@ pub(crate) fn run_with(args: Args, trigger: Option<MergeTrigger>) -> anyhow::Res
     let result = fronts.stop();
     if args.stats {
         stats.print();
+    }
+    if let Some(r) = recorder {
+        let json = r.finish()?;
+        eprintln!(
+            "vabc serve: time line written to {} (open it in ui.perfetto.dev)",
+            json.display()
+        );
     }
     if result.is_err() {
         // Something may be left behind: keep the record for `vabc cleanup`.

@@ -65,6 +65,10 @@ struct ReportArgs {
     /// Only these devices (paths or MAJOR:MINOR).
     #[arg(short, long = "device", value_name = "DEVICE")]
     devices: Vec<String>,
+    /// Also write the trace's bios as a time line (Chrome JSON trace: open it in
+    /// ui.perfetto.dev): each a slice from Q to C holding Q2D and D2C.
+    #[arg(long, value_name = "FILE.json")]
+    perfetto: Option<PathBuf>,
     /// Print JSON instead of text.
     #[arg(long)]
     json: bool,
@@ -182,6 +186,59 @@ fn record(a: RecordArgs) -> Result<ExitCode> {
     Ok(code)
 }
 
+/// Writes the time line of `spans` and the analysed bios to `out` (temp file, rename).
+fn write_timeline(
+    out: &Path,
+    spans: &[trace::spans::ThreadSpans],
+    analysis: &Analysis,
+) -> Result<()> {
+    let names = analysis
+        .ios
+        .iter()
+        .map(|io| io.dev)
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .filter_map(|d| dev_name(d).map(|n| (d, n)))
+        .collect();
+    let trace = blocktrace::timeline::chrome_trace(spans, &analysis.ios, &names);
+    crate::output::write_atomic(out, &serde_json::to_vec(&trace)?)
+}
+
+/// A recording of every block device and of vabc's own spans, for `serve --trace`.
+pub(crate) struct Timeline {
+    recorder: Recorder,
+    prefix: PathBuf,
+}
+
+impl Timeline {
+    pub(crate) fn start(prefix: &Path) -> Result<Timeline> {
+        split_output(prefix)?;
+        let recorder = Recorder::start(&RecordOptions::default())
+            .context("--trace records the block layer through tracefs")?;
+        trace::spans::enable();
+        Ok(Timeline {
+            recorder,
+            prefix: prefix.to_path_buf(),
+        })
+    }
+
+    /// Stops, writes PREFIX.blktrace.CPU and PREFIX.json; returns the latter's path.
+    pub(crate) fn finish(self) -> Result<PathBuf> {
+        trace::spans::disable();
+        let recording = self.recorder.stop()?;
+        let spans = trace::spans::take();
+        let (dir, name) = split_output(&self.prefix)?;
+        std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
+        for (cpu, events) in &recording.per_cpu {
+            blocktrace::blktrace::write_cpu_file(&dir, &name, *cpu, events)?;
+        }
+        let analysis = Analysis::with_ios(&recording.merged());
+        let out = dir.join(format!("{name}.json"));
+        write_timeline(&out, &spans, &analysis)?;
+        Ok(out)
+    }
+}
+
 /// OUTPUT as the folder and the trace's name.
 fn split_output(output: &Path) -> Result<(PathBuf, String)> {
     let name = output
@@ -234,7 +291,10 @@ fn report(a: ReportArgs) -> Result<ExitCode> {
         .map(|d| parse_device(d))
         .collect::<Result<Vec<_>>>()?;
     let (events, stats) = blocktrace::blktrace::read_trace(&a.input)?;
-    let analysis = Analysis::new(&events);
+    let analysis = Analysis::with_ios(&events);
+    if let Some(out) = &a.perfetto {
+        write_timeline(out, &[], &analysis)?;
+    }
     let facts = json!({
         "files": stats.files,
         "events": events.len(),

@@ -1,0 +1,186 @@
+//! Spans: where one request's time went, layer by layer, on one time line with the
+//! kernel's block events.
+//!
+//! Off (the default), [`span`] is one relaxed atomic load. On ([`enable`]), each span
+//! is stamped with `CLOCK_MONOTONIC` (the clock of tracefs' `mono` and of blktrace, so
+//! the block events of the same moments line up) and pushed into its thread's own
+//! buffer (a mutex no other thread takes until [`take`] collects them).
+
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+
+static ENABLED: AtomicBool = AtomicBool::new(false);
+static NEXT_TID: AtomicU32 = AtomicU32::new(1);
+static BUFFERS: Mutex<Vec<Arc<ThreadBuf>>> = Mutex::new(Vec::new());
+
+struct ThreadBuf {
+    tid: u32,
+    name: String,
+    spans: Mutex<Vec<Span>>,
+}
+
+thread_local! {
+    static LOCAL: RefCell<Option<Arc<ThreadBuf>>> = const { RefCell::new(None) };
+}
+
+/// One timed piece of work.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Span {
+    pub name: &'static str,
+    /// The recording thread (numbered from 1 in order of first span).
+    pub tid: u32,
+    pub start_ns: u64,
+    pub dur_ns: u64,
+    /// What it worked on: a byte offset and length (of the device, the base, the COW).
+    pub offset: u64,
+    pub len: u64,
+}
+
+/// A thread's spans, with its name.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ThreadSpans {
+    pub tid: u32,
+    pub name: String,
+    pub spans: Vec<Span>,
+}
+
+/// Starts recording spans (for the rest of the process, or until [`disable`]).
+pub fn enable() {
+    ENABLED.store(true, Ordering::Release);
+}
+
+pub fn disable() {
+    ENABLED.store(false, Ordering::Release);
+}
+
+#[inline]
+pub fn enabled() -> bool {
+    ENABLED.load(Ordering::Relaxed)
+}
+
+/// `CLOCK_MONOTONIC` in nanoseconds.
+pub fn now_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec through a valid pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    (ts.tv_sec as u64)
+        .saturating_mul(1_000_000_000)
+        .saturating_add(ts.tv_nsec as u64)
+}
+
+/// Times the work until the guard drops; `None` (and no cost) when spans are off.
+#[inline]
+pub fn span(name: &'static str, offset: u64, len: u64) -> Option<SpanGuard> {
+    if !enabled() {
+        return None;
+    }
+    Some(SpanGuard {
+        name,
+        offset,
+        len,
+        start: now_ns(),
+    })
+}
+
+/// Records its span when dropped.
+pub struct SpanGuard {
+    name: &'static str,
+    offset: u64,
+    len: u64,
+    start: u64,
+}
+
+impl Drop for SpanGuard {
+    fn drop(&mut self) {
+        let end = now_ns();
+        record(Span {
+            name: self.name,
+            tid: 0,
+            start_ns: self.start,
+            dur_ns: end.saturating_sub(self.start),
+            offset: self.offset,
+            len: self.len,
+        });
+    }
+}
+
+fn record(mut span: Span) {
+    LOCAL.with(|local| {
+        let mut local = local.borrow_mut();
+        let buf = local.get_or_insert_with(|| {
+            let buf = Arc::new(ThreadBuf {
+                tid: NEXT_TID.fetch_add(1, Ordering::Relaxed),
+                name: std::thread::current()
+                    .name()
+                    .unwrap_or("thread")
+                    .to_string(),
+                spans: Mutex::new(Vec::new()),
+            });
+            BUFFERS
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(buf.clone());
+            buf
+        });
+        span.tid = buf.tid;
+        buf.spans
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(span);
+    });
+}
+
+/// Takes every thread's spans recorded so far.
+pub fn take() -> Vec<ThreadSpans> {
+    let bufs = BUFFERS.lock().unwrap_or_else(|p| p.into_inner());
+    bufs.iter()
+        .map(|b| ThreadSpans {
+            tid: b.tid,
+            name: b.name.clone(),
+            spans: std::mem::take(&mut *b.spans.lock().unwrap_or_else(|p| p.into_inner())),
+        })
+        .filter(|t| !t.spans.is_empty())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spans_nest_by_time_on_their_thread_and_cost_nothing_when_off() {
+        assert!(span("off", 0, 0).is_none());
+        enable();
+        let outer = span("outer", 4096, 8192);
+        {
+            let _inner = span("inner", 4096, 4096);
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        drop(outer);
+        std::thread::Builder::new()
+            .name("other".into())
+            .spawn(|| drop(span("elsewhere", 1, 2)))
+            .unwrap()
+            .join()
+            .unwrap();
+        disable();
+        let all = take();
+        let mine = all
+            .iter()
+            .find(|t| t.spans.iter().any(|s| s.name == "outer"))
+            .unwrap();
+        let (inner, outer) = (&mine.spans[0], &mine.spans[1]);
+        assert_eq!((inner.name, outer.name), ("inner", "outer"));
+        assert!(outer.start_ns <= inner.start_ns);
+        assert!(inner.start_ns + inner.dur_ns <= outer.start_ns + outer.dur_ns);
+        assert!(inner.dur_ns >= 1_000_000);
+        let other = all.iter().find(|t| t.name == "other").unwrap();
+        assert_ne!(other.tid, mine.tid);
+        assert_eq!(other.spans[0].len, 2);
+        assert!(take().is_empty(), "taken once");
+    }
+}
