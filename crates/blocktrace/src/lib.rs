@@ -16,6 +16,7 @@
 
 pub mod blktrace;
 pub mod btt;
+pub mod replay;
 pub mod timeline;
 pub mod tracefs;
 

@@ -33,6 +33,34 @@ enum Sub {
     /// `blkparse -d` dump): per device and direction, btt's stages (Q2Q, Q2G, G2I,
     /// Q2M, I2D, M2D, D2C, Q2C), merges, request sizes, seek distances.
     Report(ReportArgs),
+    /// What if: issue a trace's requests to one device again, against TARGET, with
+    /// one thing changed (--no-sync, --sequential, or the target itself: another
+    /// disk, a RAM file system, a served image), and report the time. The requests
+    /// keep their recorded queue depth and sync flags; think time is left out.
+    /// Writes destroy TARGET's data.
+    Replay(ReplayArgs),
+}
+
+#[derive(clap::Args)]
+struct ReplayArgs {
+    /// The trace (as for `report`).
+    input: PathBuf,
+    /// Where the requests go: a file (created or extended) or a block device not in
+    /// use. Its data is overwritten.
+    #[arg(long, value_name = "FILE|DEVICE")]
+    target: PathBuf,
+    /// Which traced device's requests (default: the one with the most).
+    #[arg(short, long, value_name = "DEVICE")]
+    device: Option<String>,
+    /// Leave out cache flushes, pre-flushes and FUA (what do the syncs cost?).
+    #[arg(long)]
+    no_sync: bool,
+    /// Issue the requests in sector order (what does their randomness cost?).
+    #[arg(long)]
+    sequential: bool,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(clap::Args)]
@@ -78,7 +106,73 @@ pub fn run(args: Args) -> Result<ExitCode> {
     match args.cmd {
         Sub::Record(a) => record(a),
         Sub::Report(a) => report(a),
+        Sub::Replay(a) => replay(a),
     }
+}
+
+fn replay(a: ReplayArgs) -> Result<ExitCode> {
+    use blocktrace::replay;
+    let (events, _) = blocktrace::blktrace::read_trace(&a.input)?;
+    let dev = match &a.device {
+        Some(d) => parse_device(d)?,
+        None => replay::busiest_device(&events).with_context(|| {
+            format!(
+                "{}: no requests were issued in this trace",
+                a.input.display()
+            )
+        })?,
+    };
+    let items = replay::requests(&events, dev);
+    if items.is_empty() {
+        bail!(
+            "{}: device {dev} issued no requests in this trace",
+            a.input.display()
+        );
+    }
+    let opts = replay::Options {
+        no_sync: a.no_sync,
+        sequential: a.sequential,
+    };
+    let bar = crate::progress::Progress::new(
+        items.len() as u64,
+        "replay",
+        crate::progress::Unit::Items("requests"),
+    );
+    let out = replay::replay(&items, &a.target, &opts, |n| bar.set_position(n))?;
+    bar.finish();
+    if a.json {
+        let v = json!({
+            "schema_version": crate::SCHEMA_VERSION,
+            "trace": a.input, "device": dev.to_string(), "target": a.target,
+            "no_sync": a.no_sync, "sequential": a.sequential, "requests": items.len(),
+            "outcome": out,
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        println!(
+            "replayed {} requests of device {dev} against {}{}{}: {} reads, {} writes, {:.1} MiB, {} cache flushes, {} FUA writes{}: {:.3} s",
+            items.len(),
+            a.target.display(),
+            if a.no_sync { ", without syncs" } else { "" },
+            if a.sequential {
+                ", in sector order"
+            } else {
+                ""
+            },
+            out.reads,
+            out.writes,
+            out.bytes as f64 / 1048576.0,
+            out.syncs,
+            out.fua_writes,
+            if out.syncs_dropped > 0 {
+                format!(" ({} syncs left out)", out.syncs_dropped)
+            } else {
+                String::new()
+            },
+            out.seconds
+        );
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 /// A device named by path (its device number) or as MAJOR:MINOR.
