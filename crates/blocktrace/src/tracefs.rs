@@ -47,10 +47,29 @@ const EVENTS: &[(&str, Action)] = &[
 
 /// Where tracefs is mounted (mounting it when it is not).
 pub fn tracefs_root() -> Result<PathBuf> {
-    for p in ["/sys/kernel/tracing", "/sys/kernel/debug/tracing"] {
-        if Path::new(p).join("events").is_dir() {
-            return Ok(PathBuf::from(p));
-        }
+    let mounts = fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+    let mounted = mounts
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let (_, dir, fstype) = (f.next()?, f.next()?, f.next()?);
+            (fstype == "tracefs").then(|| PathBuf::from(dir))
+        })
+        .next();
+    if let Some(dir) = mounted {
+        return match fs::read_dir(dir.join("events")) {
+            Ok(_) => Ok(dir),
+            Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+                Err(Error::Tracefs(format!(
+                    "{}: permission denied (tracing the block layer needs root)",
+                    dir.display()
+                )))
+            }
+            Err(e) => Err(Error::Tracefs(format!(
+                "{}: {e}",
+                dir.join("events").display()
+            ))),
+        };
     }
     let p = Path::new("/sys/kernel/tracing");
     if !p.is_dir() {
@@ -70,7 +89,7 @@ pub fn tracefs_root() -> Result<PathBuf> {
             "tracefs is not mounted and mounting it at {} failed: {e}{}",
             p.display(),
             if e == rustix::io::Errno::PERM {
-                " (it needs root: CAP_SYS_ADMIN)"
+                " (tracing the block layer needs root)"
             } else {
                 ""
             }

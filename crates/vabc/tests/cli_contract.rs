@@ -336,3 +336,64 @@ fn messages_go_through_one_logger_that_q_and_vabc_log_quiet() {
     assert!(!run(&["-q"], None).contains("has no manifest"));
     assert!(!run(&[], Some("error")).contains("has no manifest"));
 }
+
+#[test]
+fn trace_json_reports_carry_their_schema_version() {
+    let d = tempfile::tempdir().unwrap();
+    let prefix = d.path().join("t");
+    let data = d.path().join("data");
+    let dd = format!(
+        "if=/dev/zero of={} bs=4k count=64 oflag=direct conv=fsync",
+        s(&data)
+    );
+    let mut args = vec![
+        "trace",
+        "record",
+        "-o",
+        s(&prefix),
+        "--json",
+        "--",
+        "dd",
+        "status=none",
+    ];
+    args.extend(dd.split(' '));
+    let v = json(&args);
+    has(
+        &v,
+        &[
+            "files",
+            "events",
+            "lost_events",
+            "devices",
+            "unmatched_events",
+        ],
+    );
+    let v = json(&["trace", "report", s(&prefix), "--json"]);
+    has(&v, &["files", "events", "devices"]);
+    let dev = &v["devices"][0];
+    has(
+        dev,
+        &[
+            "device",
+            "direction",
+            "stages",
+            "queued",
+            "issued",
+            "merged",
+            "seeks",
+        ],
+    );
+    let v = json(&[
+        "trace",
+        "replay",
+        s(&prefix),
+        "--target",
+        s(&d.path().join("target")),
+        "--json",
+    ]);
+    has(&v, &["device", "requests", "outcome"]);
+    has(
+        &v["outcome"],
+        &["seconds", "reads", "writes", "bytes", "syncs"],
+    );
+}

@@ -430,3 +430,83 @@ fn a_served_verified_cold_read_is_one_time_line() {
     let o = vabc(&["trace", "report", prefix.to_str().unwrap(), "--json"]);
     ok(&o, "report of serve's trace");
 }
+
+#[test]
+fn replay_refuses_a_mounted_device_and_a_trace_without_requests() {
+    let dir = tempfile::tempdir().unwrap();
+    let dev = Loop::new(&dir.path().join("disk.img"), 16);
+    let out = dir.path().join("r");
+    let o = vabc(&[
+        "trace",
+        "record",
+        "-d",
+        &dev.0,
+        "-o",
+        out.to_str().unwrap(),
+        "--",
+        "dd",
+        &format!("of={}", dev.0),
+        "if=/dev/zero",
+        "bs=4k",
+        "count=32",
+        "oflag=direct",
+        "status=none",
+    ]);
+    ok(&o, "record");
+    // A block device in use is refused (mounted: opened exclusively).
+    let dev2 = Loop::new(&dir.path().join("fs.img"), 16);
+    ok(
+        &Command::new("mkfs.ext4")
+            .args(["-q", &dev2.0])
+            .output()
+            .unwrap(),
+        "mkfs",
+    );
+    let mnt = dir.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    ok(
+        &Command::new("mount")
+            .arg(&dev2.0)
+            .arg(&mnt)
+            .output()
+            .unwrap(),
+        "mount",
+    );
+    let e = failed(
+        &vabc(&[
+            "trace",
+            "replay",
+            out.to_str().unwrap(),
+            "--target",
+            &dev2.0,
+        ]),
+        "mounted target",
+    );
+    let _ = Command::new("umount").arg(&mnt).status();
+    assert!(e.contains("in use (mounted?)"), "{e}");
+    // The replay onto the traced device itself writes what the trace wrote.
+    let o = vabc(&[
+        "trace",
+        "replay",
+        out.to_str().unwrap(),
+        "--target",
+        &dev.0,
+        "--json",
+    ]);
+    let v: serde_json::Value = serde_json::from_str(&ok(&o, "replay")).unwrap();
+    assert_eq!(v["outcome"]["writes"], 32);
+    // Another device's requests: none in this trace.
+    let e = failed(
+        &vabc(&[
+            "trace",
+            "replay",
+            out.to_str().unwrap(),
+            "--target",
+            "x",
+            "-d",
+            "1:1",
+        ]),
+        "no requests",
+    );
+    assert!(e.contains("device 1,1 issued no requests"), "{e}");
+}
