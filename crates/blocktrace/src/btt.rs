@@ -17,7 +17,8 @@
 //!   the kernel split it, each part keeping its times, and both complete.
 //!
 //! Everything is kept per device and per direction (the bio's: reads, writes) besides
-//! the whole; each stage has min, average, max, N and percentiles.
+//! the whole (a direction's Q2Q is between its own bios); each stage has min,
+//! average, max, N and percentiles.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -151,6 +152,8 @@ struct DevState {
     bios: BTreeMap<u64, Bio>,
     seen_q: bool,
     last_q: Option<u64>,
+    /// The last Q of reads, of writes.
+    last_q_dir: [Option<u64>; 2],
     last_d: Option<(u64, u64)>,
 }
 
@@ -282,6 +285,10 @@ impl Analysis {
                         .push(delta(prev, t));
                 }
                 st.last_q = Some(t);
+                // A direction's own Q2Q: between its bios (btt has only the device's).
+                if let Some(prev) = st.last_q_dir[usize::from(write)].replace(t) {
+                    self.parts.entry((dev, dir(write))).or_default().stages[Q2Q].0.push(delta(prev, t));
+                }
                 self.both(dev, write, |b| b.queued += 1);
                 let bio = Bio {
                     q: t,

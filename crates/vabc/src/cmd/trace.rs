@@ -483,6 +483,10 @@ fn print_report(a: &Analysis, only: &[Dev], facts: serde_json::Value, as_json: b
                 "==================== device {dev}{name} ===================="
             );
         }
+        // A device that only read (or only wrote): its "all" is that direction again.
+        if *dir == "all" && a.parts.keys().filter(|(d, _)| d == dev).count() == 2 {
+            continue;
+        }
         let _ = writeln!(
             text,
             "\n{dir}: {} bios queued, {} requests issued, {} completed ({:.1} MiB in {secs_span:.3} s)",
