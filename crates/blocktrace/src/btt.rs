@@ -287,7 +287,9 @@ impl Analysis {
                 st.last_q = Some(t);
                 // A direction's own Q2Q: between its bios (btt has only the device's).
                 if let Some(prev) = st.last_q_dir[usize::from(write)].replace(t) {
-                    self.parts.entry((dev, dir(write))).or_default().stages[Q2Q].0.push(delta(prev, t));
+                    self.parts.entry((dev, dir(write))).or_default().stages[Q2Q]
+                        .0
+                        .push(delta(prev, t));
                 }
                 self.both(dev, write, |b| b.queued += 1);
                 let bio = Bio {

@@ -131,14 +131,18 @@ pub fn plan(items: &[Item], opts: &Options) -> Vec<Item> {
     out
 }
 
+/// The requests with data among `items`.
+fn ios(items: &[Item]) -> impl Iterator<Item = &Request> {
+    items.iter().filter_map(|i| match i {
+        Item::Io(r) => Some(r),
+        Item::Flush => None,
+    })
+}
+
 /// The bytes a target must hold for `items`.
 pub fn extent(items: &[Item]) -> u64 {
-    items
-        .iter()
-        .filter_map(|i| match i {
-            Item::Io(r) => Some(r.offset + u64::from(r.len)),
-            Item::Flush => None,
-        })
+    ios(items)
+        .map(|r| r.offset + u64::from(r.len))
         .max()
         .unwrap_or(0)
 }
@@ -161,20 +165,9 @@ pub fn replay(
         Error::Input(format!("{}: replay {op}: {e}", target.display()))
     };
     let mut ring = IoUring::new(RING).map_err(|e| io_err("io_uring setup", e))?;
-    let max_len = plan
-        .iter()
-        .filter_map(|i| match i {
-            Item::Io(r) => Some(r.len as usize),
-            Item::Flush => None,
-        })
-        .max()
-        .unwrap_or(4096);
-    let slots = plan
-        .iter()
-        .filter_map(|i| match i {
-            Item::Io(r) => Some(r.depth as usize),
-            Item::Flush => None,
-        })
+    let max_len = ios(&plan).map(|r| r.len as usize).max().unwrap_or(4096);
+    let slots = ios(&plan)
+        .map(|r| r.depth as usize)
         .max()
         .unwrap_or(1)
         .clamp(1, RING as usize - 1);

@@ -8,8 +8,8 @@
 //! that never move once full.
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 static ENABLED: AtomicBool = AtomicBool::new(false);
 static NEXT_TID: AtomicU32 = AtomicU32::new(1);
@@ -121,7 +121,10 @@ fn record(mut span: Span) {
         None => {
             let b: &'static ThreadBuf = Box::leak(Box::new(ThreadBuf {
                 tid: NEXT_TID.fetch_add(1, Ordering::Relaxed),
-                name: std::thread::current().name().unwrap_or("thread").to_string(),
+                name: std::thread::current()
+                    .name()
+                    .unwrap_or("thread")
+                    .to_string(),
                 spans: Mutex::new(Vec::new()),
             }));
             BUFFERS.lock().unwrap_or_else(|p| p.into_inner()).push(b);

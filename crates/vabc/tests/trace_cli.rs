@@ -36,6 +36,23 @@ fn failed(o: &Output, what: &str) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
+/// `vabc trace record -d DEV -o OUT -- dd ARGS... status=none`.
+fn record_dd(dev: &str, out: &Path, dd: &[&str]) -> Output {
+    let mut args = vec![
+        "trace",
+        "record",
+        "-d",
+        dev,
+        "-o",
+        out.to_str().unwrap(),
+        "--",
+        "dd",
+    ];
+    args.extend(dd);
+    args.push("status=none");
+    vabc(&args)
+}
+
 /// A loop device over a new file of `mib` MiB; detached on drop.
 struct Loop(String);
 
@@ -207,22 +224,12 @@ fn bad_input_is_named() {
     // A real record cut short.
     let dev = Loop::new(&dir.path().join("disk.img"), 4);
     let out = dir.path().join("cut");
-    let o = vabc(&[
-        "trace",
-        "record",
-        "-d",
+    let input = format!("if={}", dev.0);
+    let o = record_dd(
         &dev.0,
-        "-o",
-        out.to_str().unwrap(),
-        "--",
-        "dd",
-        &format!("if={}", dev.0),
-        "of=/dev/null",
-        "bs=4k",
-        "count=8",
-        "iflag=direct",
-        "status=none",
-    ]);
+        &out,
+        &[&input, "of=/dev/null", "bs=4k", "count=8", "iflag=direct"],
+    );
     ok(&o, "record");
     let full = dir.path().join("cut.blktrace.0");
     let cpu = if std::fs::metadata(&full).unwrap().len() > 0 {
@@ -436,22 +443,12 @@ fn replay_refuses_a_mounted_device_and_a_trace_without_requests() {
     let dir = tempfile::tempdir().unwrap();
     let dev = Loop::new(&dir.path().join("disk.img"), 16);
     let out = dir.path().join("r");
-    let o = vabc(&[
-        "trace",
-        "record",
-        "-d",
+    let output = format!("of={}", dev.0);
+    let o = record_dd(
         &dev.0,
-        "-o",
-        out.to_str().unwrap(),
-        "--",
-        "dd",
-        &format!("of={}", dev.0),
-        "if=/dev/zero",
-        "bs=4k",
-        "count=32",
-        "oflag=direct",
-        "status=none",
-    ]);
+        &out,
+        &[&output, "if=/dev/zero", "bs=4k", "count=32", "oflag=direct"],
+    );
     ok(&o, "record");
     // A block device in use is refused (mounted: opened exclusively).
     let dev2 = Loop::new(&dir.path().join("fs.img"), 16);
