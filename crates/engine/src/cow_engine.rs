@@ -28,6 +28,7 @@ use cow::{CowReader, Op, OpKind};
 use smallvec::SmallVec;
 
 use crate::cache::UnitCache;
+use crate::pool::{DecodePool, PoolDesign, QueueDelays, timed};
 use crate::error::{EngineError, Result};
 use crate::io::ImageFile;
 use crate::{Allocation, BLOCK_SIZE, BlockDevice, check_range, check_range_u64, push_allocation};
@@ -97,8 +98,11 @@ pub struct CowEngineOptions {
     pub size: Option<u64>,
     /// Byte budget of the decoded-unit cache (0 disables it).
     pub cache_bytes: usize,
-    /// Decode workers; 0 means one per CPU.
+    /// Decode workers; 0 means one per CPU (the per-CPU designs always have one per
+    /// CPU).
     pub decode_threads: usize,
+    /// How decode work is handed to the workers.
+    pub decode_pool: PoolDesign,
     /// Read the base image with `O_DIRECT` where alignment allows.
     pub direct_io: bool,
     /// Threads that issue the merged source reads of one large request concurrently
@@ -113,6 +117,7 @@ impl Default for CowEngineOptions {
             size: None,
             cache_bytes: 64 << 20,
             decode_threads: 0,
+            decode_pool: PoolDesign::default(),
             direct_io: true,
             io_threads: 8,
         }
@@ -135,6 +140,8 @@ pub struct EngineStats {
     pub reads: trace::Histogram,
     /// Time of each verification: a request's blocks, or a read-ahead chunk's.
     pub checks: trace::Histogram,
+    /// How long work handed to the decode pool waited for a worker.
+    pub queue_delays: QueueDelays,
 }
 
 /// Destination blocks `[start, start + len)` are written by `ops[op]`.
@@ -203,7 +210,7 @@ pub struct CowEngine {
     hints: Vec<u32>,
     size: u64,
     cache: UnitCache,
-    pool: Option<rayon::ThreadPool>,
+    pool: Option<DecodePool>,
     io_pool: Option<rayon::ThreadPool>,
     bounce: gather::BufPool,
     /// The COW once more, for batched payload reads through io_uring (`None`: pread),
@@ -331,11 +338,7 @@ impl CowEngine {
         } else {
             opts.decode_threads
         };
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(|i| format!("vabc-decode-{i}"))
-            .build()
-            .ok();
+        let pool = DecodePool::new(opts.decode_pool, threads);
         let io_pool = rayon::ThreadPoolBuilder::new()
             .num_threads(opts.io_threads.max(1))
             .thread_name(|i| format!("vabc-io-{i}"))
@@ -392,7 +395,7 @@ impl CowEngine {
     fn decode_on_pool(&self) -> bool {
         self.pool
             .as_ref()
-            .is_some_and(|p| self.active.load(Ordering::Relaxed) < p.current_num_threads())
+            .is_some_and(|p| self.active.load(Ordering::Relaxed) < p.threads())
     }
 
     fn first_extent(&self, block: u64) -> usize {
@@ -541,7 +544,7 @@ impl CowEngine {
                 slot.get_or_insert(e);
             }
         };
-        decode_pool.in_place_scope(|decode_scope| {
+        decode_pool.local().in_place_scope(|decode_scope| {
             let mut inline: SmallVec<[(Seg, &mut [u8]); 16]> = SmallVec::new();
             let mut rest = buf;
             for seg in plan {
@@ -549,9 +552,9 @@ impl CowEngine {
                 rest = tail;
                 let (seg, record) = (*seg, &record);
                 match seg {
-                    Seg::Replace { .. } => {
-                        decode_scope.spawn(move |_| record(self.run_seg(seg, head)))
-                    }
+                    Seg::Replace { .. } => timed(decode_scope, &self.stats.queue_delays, move || {
+                        record(self.run_seg(seg, head))
+                    }),
                     _ => inline.push((seg, head)),
                 }
             }
@@ -771,12 +774,12 @@ impl CowEngine {
                     // itself instead of sleeping while the pool works: one wake-up
                     // less per request, and one pool thread fewer left spinning idle.
                     let blocks = whole.len().div_ceil(BLOCK_SIZE);
-                    let per = blocks.div_ceil(pool.current_num_threads()).max(8);
+                    let per = blocks.div_ceil(pool.threads()).max(8);
                     let run = per.next_multiple_of(2) * BLOCK_SIZE;
                     let mut results: Vec<Result<()>> = whole.chunks(run).map(|_| Ok(())).collect();
                     let (mine, theirs) = results.split_at_mut(1);
                     let check = &check;
-                    pool.in_place_scope(|s| {
+                    pool.other().in_place_scope(|s| {
                         for (i, (slot, d)) in
                             theirs.iter_mut().zip(whole.chunks(run).skip(1)).enumerate()
                         {

@@ -23,6 +23,7 @@ mod cache;
 mod cow_engine;
 mod error;
 mod io;
+mod pool;
 mod readahead;
 mod uring;
 
@@ -35,6 +36,7 @@ pub use cow_engine::{
 };
 pub use error::{EngineError, Result};
 pub use io::{AlignedBuf, DIRECT_ALIGN, HUGE_PAGE, ImageFile};
+pub use pool::{PoolDesign, QueueDelays};
 pub use readahead::{Readahead, ReadaheadOptions, ReadaheadStats};
 pub use uring::{enter as io_uring_enter, usable as io_uring_usable};
 

@@ -61,6 +61,44 @@ fn whole_image_matches_expected_for_every_vector() {
     }
 }
 
+/// Every decode-pool design gives the same bytes, and the hand-offs to it are timed.
+#[test]
+fn every_decode_pool_design_reads_the_expected_image() {
+    let want = expected();
+    for design in [
+        engine::PoolDesign::Shared,
+        engine::PoolDesign::PerCpu,
+        engine::PoolDesign::PerCpuFifo,
+    ] {
+        for cow in ["v3_lz4_65536.cow", "v3_zstd_16384.cow", "v2_gz_4096.cow"] {
+            let e = open(
+                cow,
+                &CowEngineOptions {
+                    decode_pool: design,
+                    cache_bytes: 0,
+                    ..Default::default()
+                },
+            );
+            e.stats().queue_delays.sample();
+            let mut buf = vec![0u8; want.len()];
+            // Whole-image and 1 MiB reads: several units per request, so the pool works.
+            e.read_at(&mut buf, 0).unwrap();
+            assert!(buf == want, "{cow} {design:?}: whole-image read differs");
+            for off in (0..want.len()).step_by(1 << 20) {
+                let len = (want.len() - off).min(1 << 20);
+                e.read_at(&mut buf[..len], off as u64).unwrap();
+                assert!(buf[..len] == want[off..off + len], "{cow} {design:?}: read at {off}");
+            }
+            let samples = e.stats().queue_delays.take_samples();
+            assert_eq!(
+                samples.len() as u64,
+                e.stats().queue_delays.histogram.snapshot().count,
+                "{cow} {design:?}"
+            );
+        }
+    }
+}
+
 #[test]
 fn unaligned_random_reads_match() {
     let want = expected();

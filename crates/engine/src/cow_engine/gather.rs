@@ -517,13 +517,13 @@ impl CowEngine {
                         slot.get_or_insert(e);
                     }
                 };
-                pool.in_place_scope(|scope| {
+                pool.local().in_place_scope(|scope| {
                     let record = &record;
                     for (((seg, dst), raw), src) in targets.iter_mut().zip(&raw_of).zip(base_src) {
                         let Some(raw) = *raw else { continue };
                         if let Seg::Replace { op, .. } = *seg {
                             let dst: &mut [u8] = dst;
-                            scope.spawn(move |_| {
+                            crate::pool::timed(scope, &self.stats.queue_delays, move || {
                                 self.stats
                                     .unit_decodes
                                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);

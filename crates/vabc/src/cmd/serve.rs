@@ -105,9 +105,20 @@ pub struct Args {
     /// FUSE threads reading /dev/fuse; only matters above --workers.
     #[arg(long, default_value_t = 1)]
     pub fuse_threads: usize,
-    /// Decompression threads (0: one per CPU).
+    /// Decompression threads (0: one per CPU; the per-CPU pools have one per CPU).
     #[arg(long, default_value_t = 0)]
     pub decode_threads: usize,
+    /// How a request's compressed units are handed to the decompression threads: one
+    /// shared queue, a worker per CPU (pinned, fed by the requests on its CPU), or the
+    /// same at real-time priority (SCHED_FIFO, where permitted). See the decode-pool
+    /// study in bench/RESULTS.md.
+    #[arg(long, default_value = "shared", value_name = "shared|per-cpu|per-cpu-fifo")]
+    pub decode_pool: engine::PoolDesign,
+    /// On exit, write how long each hand-off to the decompression threads waited for
+    /// one: a line per hand-off, "QUEUED_AT WAITED" in nanoseconds (CLOCK_MONOTONIC):
+    /// the decode-pool study's scheduling latency.
+    #[arg(long, value_name = "FILE")]
+    pub queue_delays: Option<PathBuf>,
     /// Threads issuing the scattered base reads of one large request concurrently.
     #[arg(long, default_value_t = 8)]
     pub io_threads: usize,
@@ -259,6 +270,7 @@ pub(crate) fn run_with(args: Args, trigger: Option<MergeTrigger>) -> anyhow::Res
         size: args.size.or(manifest.as_ref().map(|m| m.new.size)),
         cache_bytes: args.cache_mib << 20,
         decode_threads: args.decode_threads,
+        decode_pool: args.decode_pool,
         direct_io: !args.buffered,
         io_threads: args.io_threads,
     };
@@ -281,6 +293,9 @@ pub(crate) fn run_with(args: Args, trigger: Option<MergeTrigger>) -> anyhow::Res
     let size = engine.size();
     if let Some(check) = open_verity(&args, size)? {
         engine.set_verifier(check);
+    }
+    if args.queue_delays.is_some() {
+        engine.stats().queue_delays.sample();
     }
     let engine = Arc::new(engine);
     let stats = Stats {
@@ -327,6 +342,11 @@ pub(crate) fn run_with(args: Args, trigger: Option<MergeTrigger>) -> anyhow::Res
     let result = fronts.stop();
     if args.stats {
         stats.print();
+    }
+    if let Some(path) = &args.queue_delays {
+        let samples = stats.engine.stats().queue_delays.take_samples();
+        let text: String = samples.iter().map(|(at, ns)| format!("{at} {ns}\n")).collect();
+        crate::output::write_atomic(path, text.as_bytes())?;
     }
     if let Some(r) = recorder {
         let json = r.finish()?;
@@ -767,6 +787,10 @@ impl Stats {
         let checks = e.checks.snapshot();
         if checks.count > 0 {
             eprintln!("vabc serve: stats: dm-verity checks: {checks}");
+        }
+        let waits = e.queue_delays.histogram.snapshot();
+        if waits.count > 0 {
+            eprintln!("vabc serve: stats: decode hand-offs (queued to started): {waits}");
         }
         let n = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
         let ra = &self.readahead;
