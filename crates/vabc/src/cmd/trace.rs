@@ -226,19 +226,33 @@ fn record(a: RecordArgs) -> Result<ExitCode> {
     let spinner = Spinner::new();
     let mut code = ExitCode::SUCCESS;
     let mut failure = None;
+    let mut ended = None;
     if let Some((prog, rest)) = a.command.split_first() {
         match std::process::Command::new(prog).args(rest).spawn() {
-            Ok(mut child) => loop {
-                if let Some(status) = child.try_wait().context("wait for the command")? {
-                    if !status.success() {
-                        log::warn!("{}: {status}", prog.to_string_lossy());
-                        code = ExitCode::from(status.code().map_or(1, |c| c.clamp(1, 255) as u8));
+            Ok(mut child) => {
+                // A thread waits for the command, so that its end is timed exactly
+                // (not to a polling interval) while this one keeps the spinner going.
+                let (tx, rx) = std::sync::mpsc::channel();
+                std::thread::spawn(move || {
+                    let status = child.wait();
+                    let _ = tx.send((status, Instant::now()));
+                });
+                let (status, at) = loop {
+                    match rx.recv_timeout(Duration::from_millis(100)) {
+                        Ok(done) => break done,
+                        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => spinner.tick(&rec, started),
+                        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                            bail!("lost the wait for {}", prog.to_string_lossy())
+                        }
                     }
-                    break;
+                };
+                ended = Some(at);
+                let status = status.context("wait for the command")?;
+                if !status.success() {
+                    log::warn!("{}: {status}", prog.to_string_lossy());
+                    code = ExitCode::from(status.code().map_or(1, |c| c.clamp(1, 255) as u8));
                 }
-                spinner.tick(&rec, started);
-                std::thread::sleep(Duration::from_millis(20));
-            },
+            }
             Err(e) => failure = Some(anyhow::anyhow!("{}: {e}", prog.to_string_lossy())),
         }
     } else {
@@ -248,7 +262,7 @@ fn record(a: RecordArgs) -> Result<ExitCode> {
             std::thread::sleep(Duration::from_millis(50));
         }
     }
-    let elapsed = started.elapsed();
+    let elapsed = ended.unwrap_or_else(Instant::now).duration_since(started);
     spinner.done();
     let recording = rec.stop()?;
     if let Some(e) = failure {
