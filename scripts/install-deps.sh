@@ -11,7 +11,7 @@ PKGS=(
 	e2fsprogs erofs-utils util-linux mount fuse3
 	qemu-utils libnbd-bin qemu-system-common
 	cryptsetup-bin fio openssl man-db blktrace
-	bindfs squashfs-tools
+	bindfs squashfs-tools meson ninja-build
 	xdelta3 zstd bsdiff xz-utils
 	python3 python3-pip python3-numpy
 )

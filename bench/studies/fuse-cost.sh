@@ -15,11 +15,14 @@
 #    kernel drop the FUSE side's pages (bindfs does not ask to keep them);
 #  - the same count for `vabc serve` (a served FUSE file of FILE_MIB, base + COW).
 # The kernel's FUSE passthrough mode (FOPEN_PASSTHROUGH, Linux 6.9) needs a server
-# that opens backing files for the kernel (libfuse 3.16's passthrough_hp); no
-# packaged server here does, and the table says so.
+# that hands the kernel its backing files; no packaged one does, so libfuse's own
+# `passthrough_hp` example is built (from LIBFUSE_SRC, a libfuse >= 3.16 source
+# tree, else a clone of its fuse-3.18.2 tag) and run three ways: passthrough mode,
+# `--nopassthrough` (every read and write through the server), and that with
+# `--direct-io`. Without a source or a compiler those rows say why they are missing.
 #
-# Usage: [VABC=binary] [FILE_MIB=1024] [FILES=10000] [ROUNDS=3] [RECORD=0]
-#        bench/studies/fuse-cost.sh [-d WORKDIR]
+# Usage: [VABC=binary] [FILE_MIB=1024] [FILES=10000] [ROUNDS=3] [LIBFUSE_SRC=DIR]
+#        [RECORD=0] bench/studies/fuse-cost.sh [-d WORKDIR]
 # Appends the table (command, date, machine) to bench/RESULTS.md unless RECORD=0.
 # Needs root, bindfs, util-linux (fincore).
 set -euo pipefail
@@ -69,6 +72,32 @@ bindfs --no-allow-other -o direct_io "$W/lower" "$W/m-bindfs-dio"
 PATHS[bindfs]="$W/m-bindfs" PATHS[bindfs-dio]="$W/m-bindfs-dio"
 SETUPS=(ext4 bindfs bindfs-dio)
 
+# libfuse's passthrough_hp, built here (meson, ninja, a C++ compiler).
+PHP_NOTE=
+if [ -z "${LIBFUSE_SRC:-}" ]; then
+	git clone -q --depth 1 -b fuse-3.18.2 https://github.com/libfuse/libfuse "$W/libfuse" 2>/dev/null &&
+		LIBFUSE_SRC=$W/libfuse || PHP_NOTE="no libfuse source (set LIBFUSE_SRC, or allow a clone from GitHub)"
+fi
+if [ -z "$PHP_NOTE" ]; then
+	echo "fuse-cost: building passthrough_hp from $LIBFUSE_SRC" >&2
+	if meson setup "$W/libfuse-build" "$LIBFUSE_SRC" -Dexamples=true -Dutils=false -Dtests=false >"$W/meson.log" 2>&1 &&
+		ninja -C "$W/libfuse-build" example/passthrough_hp >>"$W/meson.log" 2>&1; then
+		PHP=$W/libfuse-build/example/passthrough_hp
+		for v in pt nopt nopt-dio; do
+			mkdir -p "$W/m-php-$v"
+			case $v in
+			pt) "$PHP" "$W/lower" "$W/m-php-$v" ;;
+			nopt) "$PHP" --nopassthrough "$W/lower" "$W/m-php-$v" ;;
+			nopt-dio) "$PHP" --nopassthrough --direct-io "$W/lower" "$W/m-php-$v" ;;
+			esac
+			PATHS[passthrough_hp-$v]="$W/m-php-$v"
+			SETUPS+=("passthrough_hp-$v")
+		done
+	else
+		PHP_NOTE="building libfuse's passthrough_hp failed (see meson and ninja)"
+	fi
+fi
+
 declare -A T
 for r in $(seq "$ROUNDS"); do
 	echo "fuse-cost: round $r of $ROUNDS" >&2
@@ -110,7 +139,7 @@ MACHINE="$(nproc) CPUs, $(free -g | awk '/Mem:/ {print $2}') GiB, Linux $(uname 
 	for s in "${SETUPS[@]}"; do
 		echo "| $s | $(m "$s-copy") | $(ratio "$s-copy" ext4-copy) | $(m "$s-create") | $(ratio "$s-create" ext4-create) | $(m "$s-read") | $(ratio "$s-read" ext4-read) | $(m "$s-copies") |"
 	done
-	echo "| FUSE passthrough mode (FOPEN_PASSTHROUGH) | not measured: no packaged server opens backing files for the kernel | | | | | | |"
+	[ -z "$PHP_NOTE" ] || echo "| passthrough_hp (libfuse; passthrough mode and without) | not measured: $PHP_NOTE | | | | | | |"
 	echo
 	echo "vabc serve (base and COW read with O_DIRECT), one full read of the served $SIZE MiB: through its FUSE file $SERVED page-cache copies (the file is answered with direct I/O), through the loop device over it (--loop, as a mount uses it) $SERVED_LOOP."
 } >"$W/report.md"
