@@ -42,13 +42,18 @@ def files_of(root):
     return sorted(fs)
 
 
-def launch(files):
-    """Reads every file once, whole; returns the seconds."""
+def launch(files, reads):
+    """Reads every file once, whole (1 MiB reads); returns the seconds, and appends
+    each read's latency (µs) to `reads`."""
     t0 = time.monotonic()
     for p in files:
         with open(p, "rb", buffering=0) as f:
-            while f.read(1 << 20):
-                pass
+            while True:
+                r0 = time.monotonic_ns()
+                n = len(f.read(1 << 20))
+                reads.append((time.monotonic_ns() - r0) / 1000)
+                if not n:
+                    break
     return time.monotonic() - t0
 
 
@@ -69,11 +74,11 @@ def run_design(a, design):
     try:
         files = files_of(mnt)
         before = {t: (d, s) for t, d, s in decode_threads(serve.pid)}
-        windows, times = [], []
+        windows, times, reads = [], [], []
         for _ in range(a.iterations):
             drop_caches()
             start = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
-            times.append(launch(files))
+            times.append(launch(files, reads))
             windows.append((start, time.clock_gettime_ns(time.CLOCK_MONOTONIC)))
         after = decode_threads(serve.pid)
     finally:
@@ -95,6 +100,7 @@ def run_design(a, design):
         "per_launch": per_launch,
         "hand_offs": hand,
         "launch_s": times,
+        "reads_us": reads,
         "schedstat_us": (d_delay / d_slices / 1000) if d_slices else 0.0,
     }
 
@@ -142,6 +148,14 @@ def main():
     print("|---|---:|---:|---:|---:|---:|---:|")
     for d, r in res.items():
         print(row(d, r["launch_s"], res[first]["launch_s"], "{:.3f}"))
+    print()
+    print("The application's reads (1 MiB read() calls, µs):")
+    print()
+    print("| pool | avg | median | min | max | stdev | diff | p99 |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for d, r in res.items():
+        v = sorted(r["reads_us"])
+        print(row(d, v, res[first]["reads_us"]) + f" {v[int(len(v) * 0.99)]:,.0f} |")
     print()
     print(f"{res[first]['files']} files read whole per launch, {a.iterations} launches per pool, caches dropped before each")
 

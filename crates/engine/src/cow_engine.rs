@@ -28,9 +28,9 @@ use cow::{CowReader, Op, OpKind};
 use smallvec::SmallVec;
 
 use crate::cache::UnitCache;
-use crate::pool::{DecodePool, PoolDesign, QueueDelays, timed};
 use crate::error::{EngineError, Result};
 use crate::io::ImageFile;
+use crate::pool::{DecodePool, PoolDesign, QueueDelays, timed};
 use crate::{Allocation, BLOCK_SIZE, BlockDevice, check_range, check_range_u64, push_allocation};
 
 mod gather;
@@ -552,9 +552,11 @@ impl CowEngine {
                 rest = tail;
                 let (seg, record) = (*seg, &record);
                 match seg {
-                    Seg::Replace { .. } => timed(decode_scope, &self.stats.queue_delays, move || {
-                        record(self.run_seg(seg, head))
-                    }),
+                    Seg::Replace { .. } => {
+                        timed(decode_scope, &self.stats.queue_delays, move || {
+                            record(self.run_seg(seg, head))
+                        })
+                    }
                     _ => inline.push((seg, head)),
                 }
             }

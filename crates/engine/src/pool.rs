@@ -60,7 +60,10 @@ impl QueueDelays {
     fn record(&self, queued: u64, ns: u64) {
         self.histogram.record(std::time::Duration::from_nanos(ns));
         if self.sampling.load(Ordering::Relaxed) {
-            self.samples.lock().unwrap_or_else(|p| p.into_inner()).push((queued, ns));
+            self.samples
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push((queued, ns));
         }
     }
 }
@@ -104,7 +107,11 @@ impl DecodePool {
             }
         };
         let threads = pools.iter().map(|p| p.current_num_threads()).sum();
-        Some(DecodePool { design, pools, threads })
+        Some(DecodePool {
+            design,
+            pools,
+            threads,
+        })
     }
 
     pub(crate) fn threads(&self) -> usize {
@@ -160,7 +167,9 @@ fn allowed_cpus() -> Vec<usize> {
         return (0..n).collect();
     }
     // SAFETY: CPU_ISSET reads the set for an index below CPU_SETSIZE.
-    (0..libc::CPU_SETSIZE as usize).filter(|&c| unsafe { libc::CPU_ISSET(c, &set) }).collect()
+    (0..libc::CPU_SETSIZE as usize)
+        .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
+        .collect()
 }
 
 /// Pins the calling thread to `cpu` and, with `fifo`, raises it to SCHED_FIFO 1 where
@@ -172,7 +181,10 @@ fn pin_and_prioritise(cpu: usize, fifo: bool) {
     unsafe { libc::CPU_SET(cpu, &mut set) };
     // SAFETY: the set is ours and its size is passed; 0 is the calling thread.
     if unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) } != 0 {
-        log::warn!("decode worker: cannot pin to CPU {cpu}: {}", std::io::Error::last_os_error());
+        log::warn!(
+            "decode worker: cannot pin to CPU {cpu}: {}",
+            std::io::Error::last_os_error()
+        );
     }
     if fifo {
         let param = libc::sched_param { sched_priority: 1 };

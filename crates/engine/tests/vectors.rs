@@ -87,7 +87,10 @@ fn every_decode_pool_design_reads_the_expected_image() {
             for off in (0..want.len()).step_by(1 << 20) {
                 let len = (want.len() - off).min(1 << 20);
                 e.read_at(&mut buf[..len], off as u64).unwrap();
-                assert!(buf[..len] == want[off..off + len], "{cow} {design:?}: read at {off}");
+                assert!(
+                    buf[..len] == want[off..off + len],
+                    "{cow} {design:?}: read at {off}"
+                );
             }
             let samples = e.stats().queue_delays.take_samples();
             assert_eq!(

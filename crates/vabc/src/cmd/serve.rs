@@ -112,7 +112,11 @@ pub struct Args {
     /// shared queue, a worker per CPU (pinned, fed by the requests on its CPU), or the
     /// same at real-time priority (SCHED_FIFO, where permitted). See the decode-pool
     /// study in bench/RESULTS.md.
-    #[arg(long, default_value = "shared", value_name = "shared|per-cpu|per-cpu-fifo")]
+    #[arg(
+        long,
+        default_value = "shared",
+        value_name = "shared|per-cpu|per-cpu-fifo"
+    )]
     pub decode_pool: engine::PoolDesign,
     /// On exit, write how long each hand-off to the decompression threads waited for
     /// one: a line per hand-off, "QUEUED_AT WAITED" in nanoseconds (CLOCK_MONOTONIC):
@@ -345,7 +349,10 @@ pub(crate) fn run_with(args: Args, trigger: Option<MergeTrigger>) -> anyhow::Res
     }
     if let Some(path) = &args.queue_delays {
         let samples = stats.engine.stats().queue_delays.take_samples();
-        let text: String = samples.iter().map(|(at, ns)| format!("{at} {ns}\n")).collect();
+        let text: String = samples
+            .iter()
+            .map(|(at, ns)| format!("{at} {ns}\n"))
+            .collect();
         crate::output::write_atomic(path, text.as_bytes())?;
     }
     if let Some(r) = recorder {

@@ -240,7 +240,9 @@ fn record(a: RecordArgs) -> Result<ExitCode> {
                 let (status, at) = loop {
                     match rx.recv_timeout(Duration::from_millis(100)) {
                         Ok(done) => break done,
-                        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => spinner.tick(&rec, started),
+                        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                            spinner.tick(&rec, started)
+                        }
                         Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
                             bail!("lost the wait for {}", prog.to_string_lossy())
                         }
