@@ -175,9 +175,10 @@ fn allowed_cpus() -> Vec<usize> {
 /// Pins the calling thread to `cpu` and, with `fifo`, raises it to SCHED_FIFO 1 where
 /// permitted (a warning once where not).
 fn pin_and_prioritise(cpu: usize, fifo: bool) {
-    // SAFETY: an all-zero cpu_set_t is a valid empty set; CPU_SET writes index `cpu`,
-    // which came from the allowed set and is below CPU_SETSIZE.
+    // SAFETY: an all-zero cpu_set_t is a valid empty set.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: CPU_SET writes index `cpu` of our set; it came from the allowed set, so
+    // it is below CPU_SETSIZE.
     unsafe { libc::CPU_SET(cpu, &mut set) };
     // SAFETY: the set is ours and its size is passed; 0 is the calling thread.
     if unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) } != 0 {
