@@ -24,10 +24,9 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 ROWS=${ROWS:-2000} ROUNDS=${ROUNDS:-5}
 DIR=${TMPDIR:-/var/tmp}
 while getopts d: o; do case $o in d) DIR=$OPTARG ;; *) sed -n '2,22p' "$0"; exit 2 ;; esac; done
-if [ -z "${VABC:-}" ]; then
-	cargo build --release -q --manifest-path "$ROOT/Cargo.toml" -p vabc
-	VABC=$ROOT/target/release/vabc
-fi
+# shellcheck source=bench/common.sh
+. "$ROOT/bench/common.sh"
+need_vabc
 W=$(mktemp -d "$DIR/vabc-replay.XXXXXX")
 RAM=$(mktemp -d /dev/shm/vabc-replay.XXXXXX)
 LOOPS=()
@@ -39,7 +38,6 @@ cleanup() {
 	exit "$rc"
 }
 trap cleanup EXIT
-median() { sort -g | awk '{v[NR] = $1} END {if (NR % 2) print v[(NR + 1) / 2]; else print (v[NR / 2] + v[NR / 2 + 1]) / 2}'; }
 
 # mkfs_on WHERE NAME: ext4 on a loop device over a file in WHERE, mounted at $W/mnt-NAME.
 mkfs_on() {

@@ -18,10 +18,9 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 ROUNDS=${ROUNDS:-5} SECS=${SECONDS_EACH:-5}
-if [ -z "${VABC:-}" ]; then
-	cargo build --release -q --manifest-path "$ROOT/Cargo.toml" -p vabc
-	VABC=$ROOT/target/release/vabc
-fi
+# shellcheck source=bench/common.sh
+. "$ROOT/bench/common.sh"
+need_vabc
 W=$(mktemp -d /dev/shm/vabc-trace-bench.XXXXXX)
 LOOP= PID=
 cleanup() {
@@ -32,7 +31,6 @@ cleanup() {
 	exit "$rc"
 }
 trap cleanup EXIT
-median() { sort -g | awk '{v[NR] = $1} END {if (NR % 2) print v[(NR + 1) / 2]; else print (v[NR / 2] + v[NR / 2 + 1]) / 2}'; }
 fio_json() { # FILE: fio's JSON report of random 4 KiB reads
 	fio --name=r --filename="$1" --rw=randread --bs=4k --iodepth=32 --ioengine=io_uring --direct=1 \
 		--runtime="$SECS" --time_based --size=256M --output-format=json 2>/dev/null

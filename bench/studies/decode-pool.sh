@@ -28,10 +28,9 @@ ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 PAIR=${PAIR:-small} ITERATIONS=${ITERATIONS:-50} DESIGNS=${DESIGNS:-shared,per-cpu,per-cpu-fifo}
 CORPUS=${VABC_CORPUS:-${TMPDIR:-/tmp}/corpus}
 [ -e "$CORPUS/$PAIR/new.erofs.img" ] || bash "$ROOT/../shared/corpus/make-corpus.sh" -p "$PAIR" -o "$CORPUS" >&2
-if [ -z "${VABC:-}" ]; then
-	cargo build --release -q --manifest-path "$ROOT/Cargo.toml" -p vabc
-	VABC=$ROOT/target/release/vabc
-fi
+# shellcheck source=bench/common.sh
+. "$ROOT/bench/common.sh"
+need_vabc
 W=$(mktemp -d "${TMPDIR:-/tmp}/vabc-decode-pool.XXXXXX")
 trap 'mountpoint -q "$W/mnt" && umount "$W/mnt"; rm -rf "$W"' EXIT
 truncate -s "$(stat -c %s "$CORPUS/$PAIR/new.erofs.img")" "$W/old.img"
@@ -40,14 +39,11 @@ truncate -s "$(stat -c %s "$CORPUS/$PAIR/new.erofs.img")" "$W/old.img"
 OUT=$(python3 "$ROOT/bench/studies/decode_pool.py" --vabc "$VABC" --old "$W/old.img" --cow "$W/u.cow" \
 	--work "$W" --iterations "$ITERATIONS" --designs "$DESIGNS")
 REPLACE=$(python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['blocks']['replace'], d['cow_size'])" "$W/diff.json")
-MACHINE="$(nproc) CPUs ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)), $(free -g | awk '/Mem:/ {print $2}') GiB, Linux $(uname -r)"
+MACHINE=$(machine)
 REPORT="### Decode pool: $PAIR EROFS, $(date -u +%Y-%m-%d)
 
 \`PAIR=$PAIR ITERATIONS=$ITERATIONS DESIGNS=$DESIGNS bench/studies/decode-pool.sh\` on $MACHINE.
 The COW: lz4, 64 KiB units, $(echo "$REPLACE" | cut -d' ' -f1) REPLACE blocks, $(echo "$REPLACE" | cut -d' ' -f2) bytes.
 $OUT"
-echo "$REPORT"
-if [ "${RECORD:-1}" != 0 ]; then
-	printf '\n%s\n' "$REPORT" >>"$ROOT/bench/RESULTS.md"
-	echo "decode-pool: appended to bench/RESULTS.md" >&2
-fi
+echo "$REPORT" | tee "$W/report.md"
+record_results decode-pool "$W/report.md"

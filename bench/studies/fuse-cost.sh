@@ -30,10 +30,9 @@ ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 SIZE=${FILE_MIB:-1024} FILES=${FILES:-10000} ROUNDS=${ROUNDS:-3}
 DIR=${TMPDIR:-/var/tmp}
 while getopts d: o; do case $o in d) DIR=$OPTARG ;; *) sed -n '2,25p' "$0"; exit 2 ;; esac; done
-if [ -z "${VABC:-}" ]; then
-	cargo build --release -q --manifest-path "$ROOT/Cargo.toml" -p vabc
-	VABC=$ROOT/target/release/vabc
-fi
+# shellcheck source=bench/common.sh
+. "$ROOT/bench/common.sh"
+need_vabc
 W=$(mktemp -d "$DIR/vabc-fuse-cost.XXXXXX")
 SRC=$(mktemp -d /dev/shm/vabc-fuse-cost.XXXXXX)
 PID=
@@ -45,8 +44,6 @@ cleanup() {
 	exit "$rc"
 }
 trap cleanup EXIT
-median() { sort -g | awk '{v[NR] = $1} END {if (NR % 2) print v[(NR + 1) / 2]; else print (v[NR / 2] + v[NR / 2 + 1]) / 2}'; }
-cold() { sync; echo 3 >/proc/sys/vm/drop_caches; }
 secs() { local t0; t0=$(date +%s.%N); "$@" >/dev/null; python3 -c "import sys,time; print(f'{time.time() - float(sys.argv[1]):.3f}')" "$t0"; }
 # The page cache: files' pages (Cached) and block devices' (Buffers).
 cached() { awk '/^(Cached|Buffers):/ {n += $2} END {printf "%d\n", n * 1024}' /proc/meminfo; }
@@ -128,7 +125,7 @@ kill -TERM "$PID"; wait "$PID" || true; PID=
 
 m() { printf '%s\n' ${T[$1]} | median; }
 ratio() { python3 -c "import sys; print(f'{float(sys.argv[1]) / float(sys.argv[2]):.2f}')" "$(m "$1")" "$(m "$2")"; }
-MACHINE="$(nproc) CPUs, $(free -g | awk '/Mem:/ {print $2}') GiB, Linux $(uname -r), ext4 on $(df --output=source "$DIR" | tail -1), bindfs $(bindfs --version 2>&1 | head -1 | awk '{print $2}')"
+MACHINE="$(machine), ext4 on $(df --output=source "$DIR" | tail -1), bindfs $(bindfs --version 2>&1 | head -1 | awk '{print $2}')"
 {
 	echo "### FUSE cost, $(date -u +%Y-%m-%d)"
 	echo
@@ -144,8 +141,4 @@ MACHINE="$(nproc) CPUs, $(free -g | awk '/Mem:/ {print $2}') GiB, Linux $(uname 
 	echo "vabc serve (base and COW read with O_DIRECT), one full read of the served $SIZE MiB: through its FUSE file $SERVED page-cache copies (the file is answered with direct I/O), through the loop device over it (--loop, as a mount uses it) $SERVED_LOOP."
 } >"$W/report.md"
 cat "$W/report.md"
-if [ "${RECORD:-1}" != 0 ]; then
-	printf '\n' >>"$ROOT/bench/RESULTS.md"
-	cat "$W/report.md" >>"$ROOT/bench/RESULTS.md"
-	echo "fuse-cost: appended to bench/RESULTS.md" >&2
-fi
+record_results fuse-cost "$W/report.md"

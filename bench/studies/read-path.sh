@@ -31,10 +31,9 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 PAIR=${PAIR:-small} FIOS=${FIO_SECONDS:-3} ROUNDS=${ROUNDS:-3}
 CORPUS=${VABC_CORPUS:-${TMPDIR:-/tmp}/corpus}
-if [ -z "${VABC:-}" ]; then
-	cargo build --release -q --manifest-path "$ROOT/Cargo.toml" -p vabc
-	VABC=$ROOT/target/release/vabc
-fi
+# shellcheck source=bench/common.sh
+. "$ROOT/bench/common.sh"
+need_vabc
 W=$(mktemp -d "${TMPDIR:-/var/tmp}/vabc-read-path.XXXXXX")
 PID= LOOP=
 cleanup() {
@@ -49,8 +48,6 @@ cleanup() {
 trap cleanup EXIT
 mkdir -p "$W/mnt" "$W/img"
 say() { echo "read-path: $*" >&2; }
-cold() { sync; echo 3 >/proc/sys/vm/drop_caches; }
-median() { sort -g | awk '{v[NR] = $1} END {if (NR % 2) print v[(NR + 1) / 2]; else print (v[NR / 2] + v[NR / 2 + 1]) / 2}'; }
 
 if [ -n "${TREE:-}" ]; then
 	SRC=$(realpath "$TREE") LABEL="tree $TREE"
@@ -169,7 +166,7 @@ for r in $(seq "$ROUNDS"); do
 done
 fm() { printf '%s\n' ${FINAL[$1]} | median; }
 
-MACHINE="$(nproc) CPUs ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)), $(free -g | awk '/Mem:/ {print $2}') GiB, Linux $(uname -r), images on $(df --output=source "$W" | tail -1)"
+MACHINE="$(machine), images on $(df --output=source "$W" | tail -1)"
 {
 	echo "### Read-path tuning sweep, $(date -u +%Y-%m-%d)"
 	echo
@@ -192,8 +189,4 @@ MACHINE="$(nproc) CPUs ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xa
 	echo "Recommended for this machine: **$BEST** (the smallest image within 3% of the fastest cold sequential read). In one run, $ROUNDS alternating cold sequential reads each (median MB/s): $BEST $(fm "$BEST"), the default $DEFAULT $(fm "$DEFAULT") ($(python3 -c "import sys; print(f'{float(sys.argv[1]) / float(sys.argv[2]):.2f}')" "$(fm "$BEST")" "$(fm "$DEFAULT")")×), the worst $WORST $(fm "$WORST") ($(python3 -c "import sys; print(f'{float(sys.argv[1]) / float(sys.argv[2]):.2f}')" "$(fm "$BEST")" "$(fm "$WORST")")×)."
 } >"$W/report.md"
 cat "$W/report.md"
-if [ "${RECORD:-1}" != 0 ]; then
-	printf '\n' >>"$ROOT/bench/RESULTS.md"
-	cat "$W/report.md" >>"$ROOT/bench/RESULTS.md"
-	say "appended to bench/RESULTS.md"
-fi
+record_results read-path "$W/report.md"

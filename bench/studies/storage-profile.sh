@@ -19,10 +19,9 @@ ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 SIZE=${SIZE_MIB:-1024} SECS=${SECONDS_EACH:-5} ROUNDS=${ROUNDS:-3} ROWS=${ROWS:-2000}
 DIR=${TMPDIR:-/var/tmp}
 while getopts d: o; do case $o in d) DIR=$OPTARG ;; *) sed -n '2,19p' "$0"; exit 2 ;; esac; done
-if [ -z "${VABC:-}" ]; then
-	cargo build --release -q --manifest-path "$ROOT/Cargo.toml" -p vabc
-	VABC=$ROOT/target/release/vabc
-fi
+# shellcheck source=bench/common.sh
+. "$ROOT/bench/common.sh"
+need_vabc
 W=$(mktemp -d "$DIR/vabc-profile.XXXXXX")
 PID= LOOP=
 cleanup() {
@@ -34,7 +33,6 @@ cleanup() {
 	exit "$rc"
 }
 trap cleanup EXIT
-median() { sort -g | awk '{v[NR] = $1} END {if (NR % 2) print v[(NR + 1) / 2]; else print (v[NR / 2] + v[NR / 2 + 1]) / 2}'; }
 fio_run() { # FILE RW BS DEPTH: "MB/s IOPS"
 	fio --name=p --filename="$1" --rw="$2" --bs="$3" --iodepth="$4" --ioengine=io_uring --direct=1 \
 		--runtime="$SECS" --time_based --size="${SIZE}M" --output-format=json 2>/dev/null |
@@ -87,7 +85,7 @@ done
 cell() { # KEY FIELD(1: MB/s, 2: IOPS)
 	printf '%s\n' ${R[$1]:-} | cut -d/ -f"$2" | median
 }
-MACHINE="$(nproc) CPUs ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)), $(free -g | awk '/Mem:/ {print $2}') GiB, Linux $(uname -r), the disk under $DIR: $(df --output=source "$DIR" | tail -1)"
+MACHINE="$(machine), the disk under $DIR: $(df --output=source "$DIR" | tail -1)"
 {
 	echo "### Storage profile, $(date -u +%Y-%m-%d)"
 	echo
@@ -114,8 +112,4 @@ MACHINE="$(nproc) CPUs ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xa
 	echo "SQLite, $ROWS single-row transactions on ext4 on this disk: synchronous=FULL $full s, OFF $off s ($(python3 -c "print(f'{$full / $off:.0f}')")×; what-if replays of the same workload: \"What-if replay: an SQLite workload\" above)."
 } >"$W/report.md"
 cat "$W/report.md"
-if [ "${RECORD:-1}" != 0 ]; then
-	printf '\n' >>"$ROOT/bench/RESULTS.md"
-	cat "$W/report.md" >>"$ROOT/bench/RESULTS.md"
-	echo "storage-profile: appended to bench/RESULTS.md" >&2
-fi
+record_results storage-profile "$W/report.md"

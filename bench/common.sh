@@ -1,0 +1,30 @@
+# Sourced by the benchmarks and studies in bench/: what each of them needs.
+# shellcheck shell=bash
+
+# median: the median of the numbers on stdin (one per line).
+median() { sort -g | awk '{v[NR] = $1} END {if (NR % 2) print v[(NR + 1) / 2]; else print (v[NR / 2] + v[NR / 2 + 1]) / 2}'; }
+
+# cold: nothing of any file in the page cache.
+cold() { sync; echo 3 >/proc/sys/vm/drop_caches; }
+
+# need_vabc: sets VABC, building the release binary unless VABC is set already.
+need_vabc() {
+	if [ -z "${VABC:-}" ]; then
+		cargo build --release -q --manifest-path "$ROOT/Cargo.toml" -p vabc
+		VABC=$ROOT/target/release/vabc
+	fi
+}
+
+# machine: one line saying what this machine is.
+machine() {
+	echo "$(nproc) CPUs ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)), $(free -g | awk '/Mem:/ {print $2}') GiB, Linux $(uname -r)"
+}
+
+# record_results NAME FILE: appends FILE to bench/RESULTS.md unless RECORD=0.
+record_results() {
+	if [ "${RECORD:-1}" != 0 ]; then
+		printf '\n' >>"$ROOT/bench/RESULTS.md"
+		cat "$2" >>"$ROOT/bench/RESULTS.md"
+		echo "$1: appended to bench/RESULTS.md" >&2
+	fi
+}
