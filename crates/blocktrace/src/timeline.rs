@@ -96,6 +96,7 @@ mod tests {
         let threads = vec![ThreadSpans {
             tid: 3,
             name: "ublk-q0".into(),
+            dropped: 0,
             spans: vec![
                 Span {
                     name: "base read",

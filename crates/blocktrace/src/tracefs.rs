@@ -388,6 +388,10 @@ fn decode_pages(
     Ok(())
 }
 
+/// Most raw bytes kept per CPU (about 8 million events): a recording left running
+/// must not take the machine's memory; later pages are read and left out (counted).
+const MAX_RAW_PER_CPU: usize = 512 << 20;
+
 /// What to record.
 #[derive(Clone, Debug)]
 pub struct RecordOptions {
@@ -413,6 +417,7 @@ pub struct Recorder {
     decoders: HashMap<u16, Decoder>,
     stop: Arc<AtomicBool>,
     read: Arc<AtomicU64>,
+    dropped: Arc<AtomicU64>,
     readers: Vec<(u32, JoinHandle<Result<Vec<u8>>>)>,
 }
 
@@ -424,6 +429,8 @@ pub struct Recording {
     /// Events the kernel overwrote or dropped because the buffer was full
     /// (`per_cpu/cpuN/stats`).
     pub overrun: u64,
+    /// Pages read but not kept: past [`MAX_RAW_PER_CPU`] of one CPU's.
+    pub dropped_pages: u64,
 }
 
 impl Recording {
@@ -480,6 +487,7 @@ impl Recorder {
             decoders: HashMap::new(),
             stop: Arc::new(AtomicBool::new(false)),
             read: Arc::new(AtomicU64::new(0)),
+            dropped: Arc::new(AtomicU64::new(0)),
             readers: Vec::new(),
         };
         // Dropping `rec` on an error below removes the instance.
@@ -526,10 +534,11 @@ impl Recorder {
                 .map_err(|e| Error::io(&path, e))?;
             let stop = rec.stop.clone();
             let read = rec.read.clone();
+            let dropped = rec.dropped.clone();
             let page = rec.page_size;
             let handle = std::thread::Builder::new()
                 .name(format!("trace-cpu{cpu}"))
-                .spawn(move || read_cpu(file, page, &stop, &read, &path))
+                .spawn(move || read_cpu(file, page, &stop, &read, &dropped, &path))
                 .map_err(|e| Error::Tracefs(format!("starting a reader thread: {e}")))?;
             rec.readers.push((cpu, handle));
         }
@@ -575,6 +584,7 @@ impl Recorder {
                 &path,
             )?;
             recording.overrun += cpu_overrun(&self.instance, cpu);
+            recording.dropped_pages = self.dropped.load(Ordering::Relaxed);
             recording.per_cpu.push((cpu, events));
         }
         match first_err {
@@ -602,12 +612,18 @@ fn read_cpu(
     page: usize,
     stop: &AtomicBool,
     read: &AtomicU64,
+    dropped: &AtomicU64,
     path: &Path,
 ) -> Result<Vec<u8>> {
     let mut raw = Vec::new();
     let mut buf = vec![0u8; page];
     loop {
         match file.read(&mut buf) {
+            Ok(n) if n > 0 && raw.len() >= MAX_RAW_PER_CPU => {
+                // Full: keep draining the kernel's buffer, keep nothing.
+                dropped.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
             Ok(n) if n > 0 => {
                 // A read returns one page (the unused tail included).
                 raw.extend_from_slice(&buf[..n]);

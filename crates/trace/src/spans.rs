@@ -9,7 +9,7 @@
 
 use std::cell::Cell;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
 static ENABLED: AtomicBool = AtomicBool::new(false);
 static NEXT_TID: AtomicU32 = AtomicU32::new(1);
@@ -23,9 +23,14 @@ struct ThreadBuf {
     /// Chunks of [`CHUNK`] spans: a full one is never moved (no reallocation copies
     /// on the request path).
     spans: Mutex<Vec<Vec<Span>>>,
+    /// Spans not kept: past [`MAX_CHUNKS`] (a daemon traced for hours must not grow
+    /// without bound; a time line of more would not open anyway).
+    dropped: AtomicU64,
 }
 
 const CHUNK: usize = 4096;
+/// At most this many chunks per thread: 256 Ki spans, 12 MiB.
+const MAX_CHUNKS: usize = 64;
 
 thread_local! {
     static LOCAL: Cell<Option<&'static ThreadBuf>> = const { Cell::new(None) };
@@ -50,6 +55,8 @@ pub struct ThreadSpans {
     pub tid: u32,
     pub name: String,
     pub spans: Vec<Span>,
+    /// Spans this thread made after its buffer was full (the first ones are kept).
+    pub dropped: u64,
 }
 
 /// Starts recording spans (for the rest of the process, or until [`disable`]).
@@ -126,6 +133,7 @@ fn record(mut span: Span) {
                     .unwrap_or("thread")
                     .to_string(),
                 spans: Mutex::new(Vec::new()),
+                dropped: AtomicU64::new(0),
             }));
             BUFFERS.lock().unwrap_or_else(|p| p.into_inner()).push(b);
             local.set(Some(b));
@@ -134,8 +142,12 @@ fn record(mut span: Span) {
     });
     span.tid = buf.tid;
     let mut chunks = buf.spans.lock().unwrap_or_else(|p| p.into_inner());
+    let full = chunks.len() >= MAX_CHUNKS;
     match chunks.last_mut() {
         Some(c) if c.len() < CHUNK => c.push(span),
+        _ if full => {
+            buf.dropped.fetch_add(1, Ordering::Relaxed);
+        }
         _ => {
             let mut c = Vec::with_capacity(CHUNK);
             c.push(span);
@@ -155,8 +167,9 @@ pub fn take() -> Vec<ThreadSpans> {
                 .into_iter()
                 .flatten()
                 .collect(),
+            dropped: b.dropped.swap(0, Ordering::Relaxed),
         })
-        .filter(|t| !t.spans.is_empty())
+        .filter(|t| !t.spans.is_empty() || t.dropped > 0)
         .collect()
 }
 
@@ -166,6 +179,8 @@ mod tests {
 
     #[test]
     fn spans_nest_by_time_on_their_thread_and_cost_nothing_when_off() {
+        let _one = super::TEST_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+        disable();
         assert!(span("off", 0, 0).is_none());
         enable();
         let outer = span("outer", 4096, 8192);
@@ -197,6 +212,36 @@ mod tests {
         assert!(take().is_empty(), "taken once");
     }
 }
+/// The span tests share the process's recorder: one at a time.
+#[cfg(test)]
+static TEST_LOCK: Mutex<()> = Mutex::new(());
+
+#[cfg(test)]
+mod cap {
+    #[test]
+    fn a_thread_keeps_its_first_spans_and_counts_the_rest() {
+        let _one = super::TEST_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+        super::enable();
+        let n = super::CHUNK * super::MAX_CHUNKS + 10;
+        std::thread::Builder::new()
+            .name("capped".into())
+            .spawn(move || {
+                for i in 0..n {
+                    drop(super::span("x", i as u64, 1));
+                }
+            })
+            .unwrap()
+            .join()
+            .unwrap();
+        super::disable();
+        let all = super::take();
+        let t = all.iter().find(|t| t.name == "capped").unwrap();
+        assert_eq!(t.spans.len(), super::CHUNK * super::MAX_CHUNKS);
+        assert_eq!(t.dropped, 10);
+        assert_eq!(t.spans[0].offset, 0, "the first ones kept");
+    }
+}
+
 /// What one span costs on this machine (a measurement, not a check: it asserts
 /// nothing). `cargo test --release -p trace span_cost -- --ignored --nocapture`
 #[cfg(test)]
@@ -204,6 +249,7 @@ mod cost {
     #[test]
     #[ignore = "a measurement; run by hand"]
     fn span_cost() {
+        let _one = super::TEST_LOCK.lock().unwrap_or_else(|p| p.into_inner());
         super::enable();
         let n = 3_000_000u64;
         let t = std::time::Instant::now();

@@ -278,6 +278,12 @@ fn record(a: RecordArgs) -> Result<ExitCode> {
         )?);
     }
     let lost = recording.overrun + recording.stats.lost;
+    if recording.dropped_pages > 0 {
+        log::warn!(
+            "the recording kept its first 512 MiB of events per CPU: {} later pages were left out",
+            recording.dropped_pages
+        );
+    }
     if lost > 0 || recording.stats.lossy_pages > 0 {
         log::warn!(
             "the kernel's trace buffer overflowed: {lost} events lost ({} pages); raise --buffer-size",
@@ -337,6 +343,18 @@ impl Timeline {
         trace::spans::disable();
         let recording = self.recorder.stop()?;
         let spans = trace::spans::take();
+        if recording.dropped_pages > 0 {
+            log::warn!(
+                "the block events kept are each CPU's first 512 MiB: {} later pages were left out",
+                recording.dropped_pages
+            );
+        }
+        let dropped: u64 = spans.iter().map(|t| t.dropped).sum();
+        if dropped > 0 {
+            log::warn!(
+                "the time line keeps each thread's first 262,144 spans: {dropped} later ones were left out"
+            );
+        }
         let (dir, name) = split_output(&self.prefix)?;
         std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
         for (cpu, events) in &recording.per_cpu {
