@@ -39,18 +39,20 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# mkfs_on WHERE NAME: ext4 on a loop device over a file in WHERE, mounted at $W/mnt-NAME.
+# mkfs_on WHERE NAME: ext4 on a loop device over a file in WHERE, mounted at
+# $W/mnt-NAME; prints the device.
 mkfs_on() {
 	local img=$1/$2.img mnt=$W/mnt-$2 dev
 	truncate -s 512M "$img"
 	dev=$(losetup --direct-io=on -f --show "$img")
-	LOOPS+=("$dev")
 	mkfs.ext4 -q -F "$dev"
 	mkdir -p "$mnt" && mount "$dev" "$mnt"
 	echo "$dev"
 }
+# (Called in a subshell: the devices are remembered here, for the clean-up.)
 DISK_DEV=$(mkfs_on "$W" disk)
-mkfs_on "$RAM" ram >/dev/null
+LOOPS+=("$DISK_DEV")
+LOOPS+=("$(mkfs_on "$RAM" ram)")
 app() { # MEDIUM SYNC: seconds of one run on a fresh database
 	rm -f "$W/mnt-$1"/db*
 	sync
