@@ -357,14 +357,19 @@ impl CowEngine {
         cow_io: &mut [(u64, Parts<'a>)],
     ) -> Result<()> {
         let jobs = base_io.len() + cow_io.len();
-        let bytes = |io: &[(u64, Parts<'a>)]| -> u64 {
-            io.iter()
-                .flat_map(|(_, p)| p.iter())
-                .map(|p| p.len() as u64)
-                .sum()
-        };
-        let first = base_io.first().or(cow_io.first()).map_or(0, |(o, _)| *o);
-        let _span = trace::spans::span("base+cow reads", first, bytes(base_io) + bytes(cow_io));
+        // Its arguments are worked out only when spans are on (the request path).
+        let _span = trace::spans::enabled()
+            .then(|| {
+                let bytes = |io: &[(u64, Parts<'a>)]| -> u64 {
+                    io.iter()
+                        .flat_map(|(_, p)| p.iter())
+                        .map(|p| p.len() as u64)
+                        .sum()
+                };
+                let first = base_io.first().or(cow_io.first()).map_or(0, |(o, _)| *o);
+                trace::spans::span("base+cow reads", first, bytes(base_io) + bytes(cow_io))
+            })
+            .flatten();
         // Even a single run goes through the ring: it may be scattered to many parts,
         // which one vectored read fills and `pread` would need one call for each.
         if (cow_io.is_empty() || self.cow_file.is_some()) && uring::available() {
@@ -473,8 +478,12 @@ impl CowEngine {
         targets: &mut [(Seg, &mut [u8])],
     ) -> Result<()> {
         let ops = self.reader.ops();
-        let out: u64 = targets.iter().map(|(_, t)| t.len() as u64).sum();
-        let _span = trace::spans::span("decode", 0, out);
+        let _span = trace::spans::enabled()
+            .then(|| {
+                let out: u64 = targets.iter().map(|(_, t)| t.len() as u64).sum();
+                trace::spans::span("decode", 0, out)
+            })
+            .flatten();
         // Stored bytes of each item, indexed by item.
         let mut raw_of: Vec<Option<&[u8]>> = vec![None; targets.len()];
         let mut replaces = 0usize;

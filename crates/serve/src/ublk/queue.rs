@@ -214,7 +214,7 @@ impl<'d> QueueCore<'d> {
     /// Executes `desc` against the device with `buf` as the tag's data buffer. Returns
     /// what is committed: bytes transferred or `-errno`.
     pub fn handle(&self, desc: &IoDesc, buf: &mut [u8]) -> i32 {
-        let _span = match desc.byte_range() {
+        let _span = match trace::spans::enabled().then(|| desc.byte_range()).flatten() {
             Some((off, len)) if desc.op() == IoOp::Read => {
                 trace::spans::span("ublk read", off, len as u64)
             }

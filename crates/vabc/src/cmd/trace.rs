@@ -270,26 +270,7 @@ fn record(a: RecordArgs) -> Result<ExitCode> {
     if let Some(e) = failure {
         return Err(e);
     }
-    std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
-    let mut files = Vec::new();
-    for (cpu, events) in &recording.per_cpu {
-        files.push(blocktrace::blktrace::write_cpu_file(
-            &dir, &name, *cpu, events,
-        )?);
-    }
-    let lost = recording.overrun + recording.stats.lost;
-    if recording.dropped_pages > 0 {
-        log::warn!(
-            "the recording kept its first 512 MiB of events per CPU: {} later pages were left out",
-            recording.dropped_pages
-        );
-    }
-    if lost > 0 || recording.stats.lossy_pages > 0 {
-        log::warn!(
-            "the kernel's trace buffer overflowed: {lost} events lost ({} pages); raise --buffer-size",
-            recording.stats.lossy_pages
-        );
-    }
+    let (files, lost) = save_recording(&dir, &name, &recording)?;
     let events = recording.merged();
     let analysis = Analysis::new(&events);
     let facts = json!({
@@ -300,6 +281,36 @@ fn record(a: RecordArgs) -> Result<ExitCode> {
     });
     print_report(&analysis, &devices, facts, a.json)?;
     Ok(code)
+}
+
+/// Writes a recording as DIR/NAME.blktrace.CPU and says what it lost; returns the
+/// files and the number of events known lost.
+fn save_recording(
+    dir: &Path,
+    name: &str,
+    recording: &blocktrace::tracefs::Recording,
+) -> Result<(Vec<PathBuf>, u64)> {
+    std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
+    let mut files = Vec::new();
+    for (cpu, events) in &recording.per_cpu {
+        files.push(blocktrace::blktrace::write_cpu_file(
+            dir, name, *cpu, events,
+        )?);
+    }
+    if recording.dropped_pages > 0 {
+        log::warn!(
+            "the recording kept its first 512 MiB of events per CPU: {} later pages were left out",
+            recording.dropped_pages
+        );
+    }
+    let lost = recording.overrun + recording.stats.lost;
+    if lost > 0 || recording.stats.lossy_pages > 0 {
+        log::warn!(
+            "the kernel's trace buffer overflowed: {lost} events lost ({} pages); raise --buffer-size",
+            recording.stats.lossy_pages
+        );
+    }
+    Ok((files, lost))
 }
 
 /// Writes the time line of `spans` and the analysed bios to `out` (temp file, rename).
@@ -343,12 +354,6 @@ impl Timeline {
         trace::spans::disable();
         let recording = self.recorder.stop()?;
         let spans = trace::spans::take();
-        if recording.dropped_pages > 0 {
-            log::warn!(
-                "the block events kept are each CPU's first 512 MiB: {} later pages were left out",
-                recording.dropped_pages
-            );
-        }
         let dropped: u64 = spans.iter().map(|t| t.dropped).sum();
         if dropped > 0 {
             log::warn!(
@@ -356,10 +361,7 @@ impl Timeline {
             );
         }
         let (dir, name) = split_output(&self.prefix)?;
-        std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
-        for (cpu, events) in &recording.per_cpu {
-            blocktrace::blktrace::write_cpu_file(&dir, &name, *cpu, events)?;
-        }
+        save_recording(&dir, &name, &recording)?;
         let analysis = Analysis::with_ios(&recording.merged());
         let out = dir.join(format!("{name}.json"));
         write_timeline(&out, &spans, &analysis)?;
