@@ -484,6 +484,8 @@ impl<R: Read> BundleReader<R> {
                 len,
                 read: 0,
                 part,
+                spool: None,
+                source_failed: Default::default(),
             },
         ))
     }
@@ -498,11 +500,71 @@ pub struct PayloadStream<'a, R: Read> {
     len: u64,
     read: u64,
     part: Partition,
+    spool: Option<Spool>,
+    source_failed: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// Whether reading a payload's source failed or ended early
+/// ([`PayloadStream::source_health`]): a failure then lies with the network or the
+/// file, not with the bytes read.
+#[derive(Clone, Debug)]
+pub struct SourceHealth(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl SourceHealth {
+    /// True once a read of the source failed or found it ended early.
+    pub fn failed(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+/// A payload saved to a file as it downloads ([`PayloadStream::spool`]).
+struct Spool {
+    file: File,
+    path: PathBuf,
+    /// The bytes an earlier run saved, read back before the source.
+    saved: u64,
+}
+
+/// Reads the payload's source, noting in `failed` an error or an early end.
+fn read_source<R: Read>(
+    inner: &mut std::io::Take<&mut R>,
+    failed: &std::sync::atomic::AtomicBool,
+    buf: &mut [u8],
+) -> std::io::Result<usize> {
+    let r = inner.read(buf);
+    if matches!(r, Err(_) | Ok(0)) && inner.limit() > 0 && !buf.is_empty() {
+        failed.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+    r
 }
 
 impl<R: Read> Read for PayloadStream<'_, R> {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        let n = self.inner.read(buf)?;
+        use std::os::unix::fs::FileExt;
+        let n = match &mut self.spool {
+            Some(sp) if self.read < sp.saved => {
+                let want = buf.len().min((sp.saved - self.read) as usize);
+                let n = sp.file.read_at(&mut buf[..want], self.read)?;
+                if n == 0 && want > 0 {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::UnexpectedEof,
+                        format!("{} shrank while it was read", sp.path.display()),
+                    ));
+                }
+                n
+            }
+            Some(sp) => {
+                let n = read_source(&mut self.inner, &self.source_failed, buf)?;
+                sp.file.write_all_at(&buf[..n], self.read).map_err(|e| {
+                    std::io::Error::new(
+                        e.kind(),
+                        format!("save the download to {}: {e}", sp.path.display()),
+                    )
+                })?;
+                n
+            }
+            None => read_source(&mut self.inner, &self.source_failed, buf)?,
+        };
         self.hasher.update(&buf[..n]);
         self.read += n as u64;
         Ok(n)
@@ -510,6 +572,13 @@ impl<R: Read> Read for PayloadStream<'_, R> {
 }
 
 impl<R: Read> PayloadStream<'_, R> {
+    /// Tells, also after the stream is gone, whether a read of its source failed: an
+    /// install that fails for another reason blames the bytes it read (and drops the
+    /// ones it saved, [`spool`](Self::spool)).
+    pub fn source_health(&self) -> SourceHealth {
+        SourceHealth(self.source_failed.clone())
+    }
+
     /// Offset in the bundle of the next byte this stream returns.
     pub fn position(&self) -> u64 {
         self.start + self.read
@@ -549,6 +618,54 @@ impl<R: Read> PayloadStream<'_, R> {
 }
 
 impl<R: crate::Source> PayloadStream<'_, R> {
+    /// Saves the payload to the file at `path` as it is read, so that a run killed
+    /// part-way (a power cut, a killed process) does not download it again: what an
+    /// earlier run saved there is read back first and passed over in the source (a
+    /// download then asks for the range after it). Returns the bytes read back. Call it
+    /// before reading. The saved bytes are not trusted: they go through the payload's
+    /// sha256 like the rest: a payload that does not hash to the manifest's, or does
+    /// not decode, fails while its source is healthy ([`source_health`](Self::source_health)),
+    /// and the caller then removes the file. A file
+    /// longer than the payload is from something else and is started again.
+    pub fn spool(&mut self, path: &Path) -> Result<u64> {
+        let at = self.position();
+        if self.read != 0 {
+            return Err(BundleError::Format {
+                path: self.path.clone(),
+                offset: at,
+                msg: "a payload is spooled before it is read".into(),
+            });
+        }
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)
+            .map_err(io_err(path, "open the saved download", 0))?;
+        let mut saved = file
+            .metadata()
+            .map_err(io_err(path, "stat the saved download", 0))?
+            .len();
+        if saved > self.len {
+            file.set_len(0)
+                .map_err(io_err(path, "truncate the saved download", 0))?;
+            saved = 0;
+        }
+        self.inner.get_mut().skip(saved).map_err(io_err(
+            &self.path,
+            "pass over the saved download",
+            at,
+        ))?;
+        self.inner.set_limit(self.len - saved);
+        self.spool = Some(Spool {
+            file,
+            path: path.to_path_buf(),
+            saved,
+        });
+        Ok(saved)
+    }
+
     /// Passes over what is left of the payload without reading it (a file seeks, a
     /// download asks for the next range): for a partition an earlier install
     /// finished, whose COW is checked by its own signed sha256 instead.

@@ -48,7 +48,7 @@ use std::path::PathBuf;
 
 pub use format::{
     BundleManifest, BundleReader, BundleWriter, CowParams, FORMAT_VERSION, HEADER_SIZE, MAGIC,
-    Partition, PayloadInfo, PlanCounts, VerityInfo,
+    Partition, PayloadInfo, PayloadStream, PlanCounts, SourceHealth, VerityInfo,
 };
 pub use source::Source;
 

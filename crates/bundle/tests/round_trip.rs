@@ -68,3 +68,51 @@ fn a_changed_payload_byte_fails_the_hash_check() {
     let e = stream.finish().unwrap_err().to_string();
     assert!(e.contains("damaged"), "{e}");
 }
+
+#[test]
+fn a_spooled_payload_reads_back_what_an_earlier_read_saved() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let (old, new) = bundle::fuzzing::image_pair(3, 400);
+    let (bytes, _) = bundle::fuzzing::sample(dir.path(), old, new, None).unwrap();
+    let file = dir.path().join("b.vabc");
+    std::fs::write(&file, &bytes).unwrap();
+    let spool = dir.path().join("payload.part");
+    // Reads the whole payload through a spool, after `pre` (bytes an earlier run saved).
+    let read_all = |pre: Option<&[u8]>| {
+        if let Some(p) = pre {
+            std::fs::File::create(&spool).unwrap().write_all(p).unwrap();
+        }
+        let f = std::fs::File::open(&file).unwrap();
+        let mut r = BundleReader::open(f, &file, Trust::Unchecked).unwrap();
+        let (_, mut stream) = r.payload().unwrap();
+        let resumed = stream.spool(&spool).unwrap();
+        let health = stream.source_health();
+        let mut got = Vec::new();
+        stream.read_to_end(&mut got).unwrap();
+        (resumed, got, stream.finish(), health.failed())
+    };
+    let (_, payload, done, failed) = read_all(None);
+    assert!(done.is_ok() && !failed);
+    assert_eq!(std::fs::read(&spool).unwrap(), payload, "all of it saved");
+
+    // Killed after `k` bytes: the next read takes them from the spool.
+    let k = payload.len() / 3;
+    let (resumed, got, done, _) = read_all(Some(&payload[..k]));
+    assert_eq!((resumed, got == payload), (k as u64, true));
+    assert!(done.is_ok());
+
+    // A spool longer than the payload is someone else's: started again.
+    let mut long = payload.clone();
+    long.push(0);
+    let (resumed, got, done, _) = read_all(Some(&long));
+    assert_eq!((resumed, got == payload), (0, true));
+    assert!(done.is_ok());
+
+    // A wrong saved byte fails the signed hash, with a healthy source (blame the spool).
+    let mut bad = payload[..k].to_vec();
+    bad[k / 2] ^= 1;
+    let (_, _, done, failed) = read_all(Some(&bad));
+    assert!(matches!(done, Err(bundle::BundleError::PayloadHash { .. })));
+    assert!(!failed);
+}

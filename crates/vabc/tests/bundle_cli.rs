@@ -487,6 +487,12 @@ type Served = std::sync::Arc<std::sync::Mutex<Vec<(u64, usize)>>>;
 /// first `cuts` responses stops after `cut_after` body bytes (a dropped connection).
 /// Returns the URL and the (range start, bytes sent) of every response.
 fn http_server(data: Vec<u8>, cuts: usize, cut_after: usize) -> (String, Served) {
+    http_server_with(data, cuts, cut_after, false)
+}
+
+/// [`http_server`]; with `stall`, a cut response keeps its connection open and sends
+/// nothing more (a download that hangs until the installer is killed).
+fn http_server_with(data: Vec<u8>, cuts: usize, cut_after: usize, stall: bool) -> (String, Served) {
     use std::io::{BufRead, BufReader, Write};
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let url = format!("http://{}/u.vabc", listener.local_addr().unwrap());
@@ -529,6 +535,12 @@ fn http_server(data: Vec<u8>, cuts: usize, cut_after: usize) -> (String, Served)
             let _ = conn.write_all(head.as_bytes());
             let _ = conn.write_all(&body[..n]);
             served.lock().unwrap().push((start, n));
+            if stall && i < cuts {
+                std::thread::spawn(move || {
+                    std::thread::sleep(std::time::Duration::from_secs(300));
+                    drop(conn);
+                });
+            }
         }
     });
     (url, log)
@@ -595,6 +607,126 @@ fn a_download_cut_mid_way_resumes_where_it_stopped() {
     assert_eq!(
         std::fs::read(out.join("vendor.cow")).unwrap(),
         std::fs::read(want.join("vendor.cow")).unwrap()
+    );
+}
+
+#[test]
+fn a_download_killed_mid_partition_resumes_from_the_bytes_it_saved() {
+    let d = tempfile::tempdir().unwrap();
+    let (key, public) = keys(d.path(), "k");
+    let parts = tiny_parts();
+    let bundle = d.path().join("u.vabc");
+    create(&parts, &bundle, Some(&key));
+    let data = std::fs::read(&bundle).unwrap();
+    let info = ok(&["bundle", "info", "--json", s(&bundle)]);
+    let info: serde_json::Value = serde_json::from_slice(&info.stdout).unwrap();
+    let payload_start = data.len() as u64 - info["payload_bytes"].as_u64().unwrap();
+    let system = &info["manifest"]["partitions"][0]["payload"];
+    let (system_at, system_len) = (
+        payload_start + system["offset"].as_u64().unwrap(),
+        system["length"].as_u64().unwrap(),
+    );
+    // Past the reader's 256 KiB buffer, so that the resumed run must ask for a range.
+    let saved = 300_000u64;
+    assert!(saved < system_len, "system payload of {system_len} bytes");
+    let (url, served) = http_server_with(data.clone(), 1, (system_at + saved) as usize, true);
+    let out = d.path().join("out");
+    std::fs::create_dir(&out).unwrap();
+    let bases = base_args(&parts);
+    let install = |from: &str, to: &Path| {
+        let mut c = Command::new(vabc());
+        c.args([
+            "bundle",
+            "install",
+            from,
+            "-o",
+            s(to),
+            "--key",
+            s(&public),
+            "--json",
+        ])
+        .args(&bases);
+        c
+    };
+    // The first run hangs where the server stops sending; it is killed once all it
+    // received is saved.
+    let mut child = install(&url, &out)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let spool_len = || {
+        entries(&out)
+            .iter()
+            .find(|f| f.starts_with(".system.payload.") && f.ends_with(".part"))
+            .map(|f| std::fs::metadata(out.join(f)).unwrap().len())
+    };
+    let t = std::time::Instant::now();
+    while spool_len() != Some(saved) {
+        assert!(
+            t.elapsed().as_secs() < 120,
+            "saved {:?} of {saved}",
+            spool_len()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(!out.join("system.cow").exists());
+
+    let before = served.lock().unwrap().len();
+    let o = install(&url, &out).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(report["partitions"][0]["resumed_bytes"], saved);
+    assert_eq!(report["partitions"][1]["resumed_bytes"], 0);
+    // The header again, then the range after the saved bytes: nothing between.
+    let log = served.lock().unwrap().clone();
+    let starts: Vec<u64> = log[before..].iter().map(|&(start, _)| start).collect();
+    assert_eq!(starts, [0, system_at + saved], "{log:?}");
+    // No saved download is left, and the COWs are the ones a file install writes.
+    let want = d.path().join("want");
+    std::fs::create_dir(&want).unwrap();
+    let mut args = vec![
+        "bundle",
+        "install",
+        s(&bundle),
+        "-o",
+        s(&want),
+        "--key",
+        s(&public),
+    ];
+    args.extend(bases.iter().map(String::as_str));
+    ok(&args);
+    assert_eq!(entries(&out), entries(&want));
+    for f in entries(&want) {
+        assert_eq!(
+            std::fs::read(out.join(&f)).unwrap(),
+            std::fs::read(want.join(&f)).unwrap(),
+            "{f}"
+        );
+    }
+
+    // Saved bytes that are wrong fail to decode or to hash to the signed sha256, and
+    // are dropped: that run fails with nothing kept, the next downloads afresh.
+    std::fs::remove_file(out.join("system.cow")).unwrap();
+    let spool = out.join(format!(
+        ".system.payload.{}.part",
+        &system["sha256"].as_str().unwrap()[..16]
+    ));
+    let mut bad = data[system_at as usize..(system_at + saved) as usize].to_vec();
+    bad[100_000] ^= 1;
+    std::fs::write(&spool, &bad).unwrap();
+    let o = install(&url, &out).output().unwrap();
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains(&url) && err.contains("nothing kept"), "{err}");
+    assert!(!spool.exists() && !out.join("system.cow").exists());
+    let o = install(&url, &out).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(
+        std::fs::read(out.join("system.cow")).unwrap(),
+        std::fs::read(want.join("system.cow")).unwrap()
     );
 }
 

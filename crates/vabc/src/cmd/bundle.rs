@@ -517,8 +517,8 @@ fn open_input(path: &Path) -> Result<Box<dyn bundle::Source>> {
     if path == Path::new("-") {
         return Ok(Box::new(std::io::stdin()));
     }
-    let text = path.to_string_lossy();
-    if text.starts_with("http://") || text.starts_with("https://") {
+    if is_url(path) {
+        let text = path.to_string_lossy();
         // Smaller than a file's buffer: a payload passed over is not fetched.
         return Ok(Box::new(std::io::BufReader::with_capacity(
             256 << 10,
@@ -753,6 +753,8 @@ pub(crate) struct Installed {
     pub root_hash: Option<String>,
     /// False when an earlier, interrupted install had already finished it.
     pub written: bool,
+    /// Payload bytes an earlier, interrupted download had saved (not fetched again).
+    pub resumed_bytes: u64,
 }
 
 /// Each partition's base, by name; every partition must have one.
@@ -805,7 +807,7 @@ fn install(a: InstallArgs) -> Result<Vec<Installed>> {
     } else {
         for d in &done {
             println!(
-                "{}: {} ({} bytes){}{}",
+                "{}: {} ({} bytes){}{}{}",
                 d.name,
                 d.cow.display(),
                 d.cow_size,
@@ -814,7 +816,15 @@ fn install(a: InstallArgs) -> Result<Vec<Installed>> {
                         format!(", dm-verity tree {}, root hash {r}", t.display()),
                     _ => String::new(),
                 },
-                if d.written { "" } else { ", already installed" }
+                if d.written { "" } else { ", already installed" },
+                if d.resumed_bytes > 0 {
+                    format!(
+                        ", {} payload bytes saved by an earlier download",
+                        d.resumed_bytes
+                    )
+                } else {
+                    String::new()
+                }
             );
         }
     }
@@ -860,7 +870,8 @@ pub(crate) fn install_into(
         .zip(&bases)
         .map(|(p, base)| check_base(p, base))
         .collect::<Result<Vec<_>>>()?;
-    check_space(r.manifest(), out_dir)?;
+    let spooling = is_url(bundle_path);
+    check_space(r.manifest(), out_dir, spooling)?;
     on_checked(r.manifest(), &bases)?;
     let mut done = Vec::new();
     let mut i = 0;
@@ -869,10 +880,14 @@ pub(crate) fn install_into(
         i += 1;
         let cow_path = out_dir.join(format!("{}.cow", part.name));
         let manifest_path = manifest::Manifest::path_for(&cow_path);
-        remove_stale(out_dir, &part.name)?;
+        let spool = spooling.then(|| spool_path(out_dir, &part));
+        remove_stale(out_dir, &part.name, spool.as_deref())?;
         // An earlier run that was interrupted after this partition: keep its COW.
         if sha256_file(&cow_path).ok() == Some((part.cow.size, part.cow.sha256.clone())) {
             stream.skip()?;
+            if let Some(sp) = &spool {
+                remove_if_there(sp)?;
+            }
             let sidecar = device_manifest(&part, &cow_path, base, base_id)?;
             let verity = match &part.verity {
                 Some(v) if !has_hashfile(v, &out_dir.join(format!("{}.verity", part.name))) => {
@@ -893,39 +908,35 @@ pub(crate) fn install_into(
                 verity,
                 root_hash: part.verity.as_ref().map(|v| v.root_hash.clone()),
                 written: false,
+                resumed_bytes: 0,
             });
             continue;
         }
-        let mut len = [0u8; 8];
-        stream.read_exact(&mut len).with_context(|| {
-            format!("{}: read the plan of {}", bundle_path.display(), part.name)
-        })?;
-        let plan_len = u64::from_le_bytes(len);
-        if plan_len + 8 != part.payload.plan_length {
-            bail!(
-                "{}: offset {}: partition {}: plan of {plan_len} bytes, the manifest says {}",
-                bundle_path.display(),
-                stream.position() - 8,
+        let resumed_bytes = match &spool {
+            Some(sp) => stream.spool(sp)?,
+            None => 0,
+        };
+        if resumed_bytes > 0 {
+            log::info!(
+                "partition {}: {resumed_bytes} of its {} payload bytes were saved by an \
+                 earlier install; downloading the rest",
                 part.name,
-                part.payload.plan_length.saturating_sub(8)
+                part.payload.length
             );
         }
-        let mut plan_bytes = vec![0u8; plan_len as usize];
-        let at = stream.position();
-        stream.read_exact(&mut plan_bytes).with_context(|| {
-            format!(
-                "{}: offset {at}: read the plan of {}",
-                bundle_path.display(),
-                part.name
-            )
-        })?;
-        let plan = bundle::plan_wire::decode(&plan_bytes, part.image.new.size).map_err(|msg| {
-            anyhow::anyhow!(
-                "{}: offset {at}: partition {}: {msg}",
-                bundle_path.display(),
-                part.name
-            )
-        })?;
+        // Bytes that do not decode or hash while the source is healthy are wrong: those
+        // saved by an earlier run are dropped, so that the next run downloads them
+        // afresh instead of failing on them again.
+        let health = stream.source_health();
+        let blame_saved = |e: anyhow::Error| {
+            if !health.failed()
+                && let Some(sp) = &spool
+            {
+                let _ = std::fs::remove_file(sp);
+            }
+            e
+        };
+        let plan = read_plan(&mut stream, &part, bundle_path).map_err(blame_saved)?;
         let old = ImageFile::open(base, false)?;
         let copts = CowOptions {
             version: part.cow.version,
@@ -950,7 +961,8 @@ pub(crate) fn install_into(
             bundle_path,
             part.image.new.size,
         )
-        .context("start the data stream")?;
+        .context("start the data stream")
+        .map_err(blame_saved)?;
         let written = write_cow(&plan, &old, &replayer, &tmp_cow, &copts, &Bar::new());
         let rest = replayer.finish().map(drop);
         let result = written
@@ -974,7 +986,9 @@ pub(crate) fn install_into(
             });
         if let Err(e) = result {
             let _ = std::fs::remove_file(&tmp_cow);
-            return Err(e.context(format!("install partition {} (nothing kept)", part.name)));
+            return Err(
+                blame_saved(e).context(format!("install partition {} (nothing kept)", part.name))
+            );
         }
         // The hash file before the COW's rename: a kept COW always has its tree.
         let proved = device_manifest(&part, &tmp_cow, base, base_id).and_then(|m| {
@@ -996,6 +1010,9 @@ pub(crate) fn install_into(
         std::fs::rename(&tmp_cow, &cow_path)
             .with_context(|| format!("rename {} to {}", tmp_cow.display(), cow_path.display()))?;
         crate::output::set_default_mode(&cow_path)?;
+        if let Some(sp) = &spool {
+            remove_if_there(sp)?;
+        }
         if let Ok(d) = File::open(out_dir) {
             let _ = d.sync_all();
         }
@@ -1008,9 +1025,48 @@ pub(crate) fn install_into(
             verity,
             root_hash: part.verity.as_ref().map(|v| v.root_hash.clone()),
             written: true,
+            resumed_bytes,
         });
     }
     Ok(done)
+}
+
+/// Reads the plan at the start of partition `part`'s payload.
+fn read_plan<R: std::io::Read>(
+    stream: &mut bundle::PayloadStream<'_, R>,
+    part: &Partition,
+    bundle_path: &Path,
+) -> Result<delta::Plan> {
+    let mut len = [0u8; 8];
+    stream
+        .read_exact(&mut len)
+        .with_context(|| format!("{}: read the plan of {}", bundle_path.display(), part.name))?;
+    let plan_len = u64::from_le_bytes(len);
+    if plan_len + 8 != part.payload.plan_length {
+        bail!(
+            "{}: offset {}: partition {}: plan of {plan_len} bytes, the manifest says {}",
+            bundle_path.display(),
+            stream.position() - 8,
+            part.name,
+            part.payload.plan_length.saturating_sub(8)
+        );
+    }
+    let mut plan_bytes = vec![0u8; plan_len as usize];
+    let at = stream.position();
+    stream.read_exact(&mut plan_bytes).with_context(|| {
+        format!(
+            "{}: offset {at}: read the plan of {}",
+            bundle_path.display(),
+            part.name
+        )
+    })?;
+    bundle::plan_wire::decode(&plan_bytes, part.image.new.size).map_err(|msg| {
+        anyhow::anyhow!(
+            "{}: offset {at}: partition {}: {msg}",
+            bundle_path.display(),
+            part.name
+        )
+    })
 }
 
 /// The manifest `vabc diff` would have written beside the COW: the bundle's, with the
@@ -1136,12 +1192,14 @@ fn install_verity(
 /// What an install killed while it worked on partition `name` left in `dir`: the COW
 /// being written (`.NAME.cow.installing`), the COW writer's temporary file beside it,
 /// the manifest sidecar's (`.NAME.cow.manifest.*.tmp`) and the hash file's
-/// (`.NAME.verity.*.tmp`).
-fn remove_stale(dir: &Path, name: &str) -> Result<()> {
+/// (`.NAME.verity.*.tmp`); and the saved downloads of this partition other than
+/// `keep` (another bundle's: [`spool_path`]).
+pub(crate) fn remove_stale(dir: &Path, name: &str, keep: Option<&Path>) -> Result<()> {
     let installing = format!(".{name}.cow.installing");
     let writer_temp = format!(".{installing}.");
     let sidecar_temp = format!(".{name}.cow.manifest.");
     let tree_temp = format!(".{name}.verity.");
+    let spool_prefix = format!(".{name}.payload.");
     for e in std::fs::read_dir(dir).with_context(|| format!("list {}", dir.display()))? {
         let e = e.with_context(|| format!("list {}", dir.display()))?;
         let f = e.file_name().to_string_lossy().into_owned();
@@ -1149,7 +1207,11 @@ fn remove_stale(dir: &Path, name: &str) -> Result<()> {
             && [&writer_temp, &sidecar_temp, &tree_temp]
                 .iter()
                 .any(|p| f.starts_with(p.as_str()));
-        if f == installing || temp {
+        // Another bundle's saved download of this partition.
+        let other_spool = f.starts_with(&spool_prefix)
+            && f.ends_with(".part")
+            && keep.and_then(Path::file_name) != Some(e.file_name().as_os_str());
+        if f == installing || temp || other_spool {
             std::fs::remove_file(e.path())
                 .with_context(|| format!("remove the stale {}", e.path().display()))?;
         }
@@ -1211,24 +1273,64 @@ fn base_reader(base: &Path) -> Result<(u64, impl manifest::ReadAt)> {
 
 /// The COWs (and hash files) that still have to be written must fit in `dir`'s file
 /// system.
-fn check_space(m: &BundleManifest, dir: &Path) -> Result<()> {
-    let need: u64 = m
+/// Refuses an install whose COWs (and hash files) do not fit in `dir`; a download
+/// (`spooling`) also saves one partition's payload at a time beside them.
+fn check_space(m: &BundleManifest, dir: &Path, spooling: bool) -> Result<()> {
+    let todo: Vec<&Partition> = m
         .partitions
         .iter()
         .filter(|p| {
             let cow = dir.join(format!("{}.cow", p.name));
             std::fs::metadata(cow).map(|md| md.len()).ok() != Some(p.cow.size)
         })
-        .map(|p| p.cow.size + hashfile_bytes(p))
-        .sum();
+        .collect();
+    let mut need: u64 = todo.iter().map(|p| p.cow.size + hashfile_bytes(p)).sum();
+    if spooling {
+        need += todo
+            .iter()
+            .map(|p| {
+                let saved = std::fs::metadata(spool_path(dir, p)).map_or(0, |md| md.len());
+                p.payload.length.saturating_sub(saved)
+            })
+            .max()
+            .unwrap_or(0);
+    }
     let free = free_bytes(dir)?;
     if free < need {
         bail!(
-            "{}: {free} bytes free, the bundle's COWs need {need}; nothing was written",
-            dir.display()
+            "{}: {free} bytes free, the bundle's COWs need {need}{}; nothing was written",
+            dir.display(),
+            if spooling {
+                " (with the largest payload, saved while it downloads)"
+            } else {
+                ""
+            }
         );
     }
     Ok(())
+}
+
+/// Whether the bundle is fetched over HTTP(S) (see [`open_input`]).
+fn is_url(path: &Path) -> bool {
+    let text = path.to_string_lossy();
+    text.starts_with("http://") || text.starts_with("https://")
+}
+
+/// Where a download saves partition `p`'s payload while it installs it, named by the
+/// payload's signed sha256 so that a resumed install reads back only its own bytes
+/// ([`bundle::PayloadStream::spool`]).
+fn spool_path(dir: &Path, p: &Partition) -> PathBuf {
+    let id = p.payload.sha256.get(..16).unwrap_or(&p.payload.sha256);
+    dir.join(format!(".{}.payload.{id}.part", p.name))
+}
+
+fn remove_if_there(path: &Path) -> Result<()> {
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            Err(e).with_context(|| format!("remove {}", path.display()))
+        }
+        _ => Ok(()),
+    }
 }
 
 fn free_bytes(dir: &Path) -> Result<u64> {

@@ -708,6 +708,10 @@ fn rollback(a: StoreArgs) -> Result<ExitCode> {
     store.save(&next)?;
     if let Some(u) = state.update() {
         store.remove_update_files(u)?;
+        // What an interrupted install left: the COW it was writing, its saved download.
+        for p in &u.partitions {
+            super::bundle::remove_stale(&a.store, &p.name, None)?;
+        }
     }
     let was = state.name();
     if a.json {
