@@ -1,6 +1,8 @@
 //! Experiment: zstd parameter sets on a sample of the bundle's frames (every STEP-th
 //! frame of 1024 blocks against 16 KiB windows of the old image), bytes and seconds
-//! for each. Usage: params OLD NEW (env STEP, default 8).
+//! for each. Usage: params OLD NEW (env STEP, default 8; SETS; PER_FRAME; MARGIN, the
+//! windows' widening in bytes; FB, blocks per frame; GROUP_PREFIX; HIST: see
+//! `common` and below).
 mod common;
 
 use delta::{ImageFile, NoProgress, PlanOptions};
@@ -16,11 +18,27 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .unwrap_or(8);
     let plan = delta::plan(&old, &new, &PlanOptions::default(), &NoProgress)?;
     let mut frames = Vec::new();
-    common::for_each_frame(&plan, &old, &new, 16 << 10, step, |p, c| {
+    let margin: u64 = std::env::var("MARGIN")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(16 << 10);
+    common::for_each_frame(&plan, &old, &new, margin, step, |p, c| {
         frames.push((p, c));
         Ok(())
     })?;
     println!("{} frames sampled (every {step})", frames.len());
+    // HIST: that many bytes of the content before each frame appended to its prefix.
+    let hist: usize = std::env::var("HIST")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    if hist > 0 {
+        let mut before: Vec<u8> = Vec::new();
+        for (p, c) in frames.iter_mut() {
+            p.extend_from_slice(&before[before.len().saturating_sub(hist)..]);
+            before.extend_from_slice(c);
+        }
+    }
     let sets = std::env::var("SETS").unwrap_or("19".into());
     for set in sets.split(';') {
         // level[,strategy][,slog][,tlen][,clog][,hlog][,mml]

@@ -1,6 +1,7 @@
 //! Shared by the experiments: the bundle's frames as `data::record` cuts them (the XOR
-//! and REPLACE blocks in plan order, 1024 a frame), each with the old image's windows
-//! around its blocks' contexts (`data::context_offset`) widened by `margin` bytes.
+//! and REPLACE blocks in plan order, 1024 a frame, or FB), each with the old image's
+//! windows around its blocks' contexts (`data::context_offset`) widened by `margin`
+//! bytes.
 use delta::{BlockImage, BlockOp, ImageFile, Plan};
 
 /// Calls `each` with (prefix, content) of every `step`-th frame, one at a time.
@@ -18,8 +19,20 @@ pub fn for_each_frame(
         .iter()
         .filter(|p| matches!(p.op, BlockOp::Xor { .. } | BlockOp::Replace))
         .collect();
-    for chunk in data.chunks(1024).step_by(step) {
-        let mut wins: Vec<(u64, u64)> = chunk
+    // Every `step`-th group of 1024 blocks, cut into frames of FB blocks (env; 1024).
+    // With GROUP_PREFIX set, each frame's prefix has the windows of its whole group.
+    let fb: usize = std::env::var("FB")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1024);
+    let group_prefix = std::env::var("GROUP_PREFIX").is_ok();
+    let sampled = data
+        .chunks(1024)
+        .step_by(step)
+        .flat_map(|g| g.chunks(fb).map(move |c| (g, c)));
+    for (group, chunk) in sampled {
+        let around = if group_prefix { group } else { chunk };
+        let mut wins: Vec<(u64, u64)> = around
             .iter()
             .map(|p| {
                 let c = bundle::data::context_offset(plan, p.dst).unwrap_or(0);
