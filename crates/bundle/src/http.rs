@@ -20,6 +20,8 @@ pub struct RangeReader {
     body: Option<Box<dyn Read + Send>>,
     /// Reconnections since the last byte received.
     failures: u32,
+    /// Whether the log said the server ignores ranges.
+    warned_no_ranges: bool,
 }
 
 impl std::fmt::Debug for RangeReader {
@@ -47,6 +49,7 @@ impl RangeReader {
             total: None,
             body: None,
             failures: 0,
+            warned_no_ranges: false,
         }
     }
 
@@ -88,6 +91,34 @@ impl RangeReader {
         let len: Option<u64> = header("content-length").and_then(|v| v.parse().ok());
         match status {
             200 if self.pos == 0 => self.total = len,
+            200 => {
+                // A server that ignores ranges (`python3 -m http.server`) sends the
+                // whole file again: the bytes before ours are read and dropped, which
+                // costs the download but works.
+                if !self.warned_no_ranges {
+                    log::warn!(
+                        "{}: the server ignores range requests; downloading from the start \
+                         and dropping the first {} bytes",
+                        self.url,
+                        self.pos
+                    );
+                    self.warned_no_ranges = true;
+                }
+                self.total = len;
+                let mut body = resp.into_body().into_reader();
+                let dropped = io::copy(&mut (&mut body).take(self.pos), &mut io::sink())?;
+                if dropped != self.pos {
+                    return Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        format!(
+                            "GET {}: the response ended at byte {dropped}, before byte {}",
+                            self.url, self.pos
+                        ),
+                    ));
+                }
+                self.body = Some(Box::new(body));
+                return Ok(());
+            }
             206 => {
                 // "bytes START-END/TOTAL": the range must start where we are.
                 let range = header("content-range").unwrap_or_default();
@@ -107,14 +138,8 @@ impl RangeReader {
             }
             s => {
                 return Err(io::Error::other(format!(
-                    "GET {} from byte {}: HTTP status {s}{}",
-                    self.url,
-                    self.pos,
-                    if s == 200 {
-                        " (the server ignores range requests)"
-                    } else {
-                        ""
-                    }
+                    "GET {} from byte {}: HTTP status {s}",
+                    self.url, self.pos
                 )));
             }
         }

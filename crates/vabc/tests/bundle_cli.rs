@@ -487,12 +487,20 @@ type Served = std::sync::Arc<std::sync::Mutex<Vec<(u64, usize)>>>;
 /// first `cuts` responses stops after `cut_after` body bytes (a dropped connection).
 /// Returns the URL and the (range start, bytes sent) of every response.
 fn http_server(data: Vec<u8>, cuts: usize, cut_after: usize) -> (String, Served) {
-    http_server_with(data, cuts, cut_after, false)
+    http_server_with(data, cuts, cut_after, Server::default())
 }
 
-/// [`http_server`]; with `stall`, a cut response keeps its connection open and sends
-/// nothing more (a download that hangs until the installer is killed).
-fn http_server_with(data: Vec<u8>, cuts: usize, cut_after: usize, stall: bool) -> (String, Served) {
+/// How [`http_server_with`] differs from [`http_server`].
+#[derive(Default, Clone, Copy)]
+struct Server {
+    /// A cut response keeps its connection open and sends nothing more (a download
+    /// that hangs until the installer is killed).
+    stall: bool,
+    /// Every request gets the whole file with status 200 (`python3 -m http.server`).
+    ignore_ranges: bool,
+}
+
+fn http_server_with(data: Vec<u8>, cuts: usize, cut_after: usize, how: Server) -> (String, Served) {
     use std::io::{BufRead, BufReader, Write};
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let url = format!("http://{}/u.vabc", listener.local_addr().unwrap());
@@ -509,7 +517,9 @@ fn http_server_with(data: Vec<u8>, cuts: usize, cut_after: usize, stall: bool) -
                     break;
                 }
                 let lower = line.to_ascii_lowercase();
-                if let Some(r) = lower.strip_prefix("range: bytes=") {
+                if let Some(r) = lower.strip_prefix("range: bytes=")
+                    && !how.ignore_ranges
+                {
                     start = r.trim().trim_end_matches('-').parse().unwrap();
                 }
             }
@@ -535,7 +545,7 @@ fn http_server_with(data: Vec<u8>, cuts: usize, cut_after: usize, stall: bool) -
             let _ = conn.write_all(head.as_bytes());
             let _ = conn.write_all(&body[..n]);
             served.lock().unwrap().push((start, n));
-            if stall && i < cuts {
+            if how.stall && i < cuts {
                 std::thread::spawn(move || {
                     std::thread::sleep(std::time::Duration::from_secs(300));
                     drop(conn);
@@ -629,7 +639,11 @@ fn a_download_killed_mid_partition_resumes_from_the_bytes_it_saved() {
     // Past the reader's 256 KiB buffer, so that the resumed run must ask for a range.
     let saved = 300_000u64;
     assert!(saved < system_len, "system payload of {system_len} bytes");
-    let (url, served) = http_server_with(data.clone(), 1, (system_at + saved) as usize, true);
+    let stall = Server {
+        stall: true,
+        ..Server::default()
+    };
+    let (url, served) = http_server_with(data.clone(), 1, (system_at + saved) as usize, stall);
     let out = d.path().join("out");
     std::fs::create_dir(&out).unwrap();
     let bases = base_args(&parts);
@@ -728,6 +742,50 @@ fn a_download_killed_mid_partition_resumes_from_the_bytes_it_saved() {
         std::fs::read(out.join("system.cow")).unwrap(),
         std::fs::read(want.join("system.cow")).unwrap()
     );
+}
+
+#[test]
+fn a_server_that_ignores_ranges_still_serves_a_resumed_install() {
+    let d = tempfile::tempdir().unwrap();
+    let (key, public) = keys(d.path(), "k");
+    let parts = tiny_parts();
+    let bundle = d.path().join("u.vabc");
+    create(&parts, &bundle, Some(&key));
+    let whole = Server {
+        ignore_ranges: true,
+        ..Server::default()
+    };
+    let (url, served) = http_server_with(std::fs::read(&bundle).unwrap(), 0, 0, whole);
+    let bases = base_args(&parts);
+    let install = |from: &str, to: &Path| {
+        let mut args = vec!["bundle", "install", from, "-o", s(to), "--key", s(&public)];
+        args.extend(bases.iter().map(String::as_str));
+        ok(&args)
+    };
+    let want = d.path().join("want");
+    std::fs::create_dir(&want).unwrap();
+    install(s(&bundle), &want);
+    // The first partition is done: passing over its payload asks for a range, and the
+    // answer is the whole file again, whose first bytes are dropped.
+    let out = d.path().join("out");
+    std::fs::create_dir(&out).unwrap();
+    for f in ["system.cow", "system.cow.manifest"] {
+        std::fs::copy(want.join(f), out.join(f)).unwrap();
+    }
+    let o = install(&url, &out);
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("ignores range requests"),
+        "{o:?}"
+    );
+    assert!(served.lock().unwrap().len() >= 2);
+    assert_eq!(entries(&out), entries(&want));
+    for f in entries(&want) {
+        assert_eq!(
+            std::fs::read(out.join(&f)).unwrap(),
+            std::fs::read(want.join(&f)).unwrap(),
+            "{f}"
+        );
+    }
 }
 
 #[test]
