@@ -181,14 +181,70 @@ fn hash_range(
     Ok(())
 }
 
+/// Largest region [`ImageId::compute_in`] reads in one pass.
+const ONE_PASS_REGION: u64 = REGION_SIZE;
+/// Regions read at once in [`one_pass`] (memory: twice this many regions).
+const ONE_PASS_WIDTH: usize = 8;
+
+/// Region hashes and the whole-image hash from one read of the image: each stripe of
+/// regions is read and hashed region by region in parallel while this thread feeds
+/// the stripe before it, in order, to the whole-image hash. The two hashes take turns
+/// on the same bytes instead of each reading the image (`vabc diff` reads two images,
+/// an install the new image through its COW).
+fn one_pass(
+    src: &dyn ReadAt,
+    path: &Path,
+    size: u64,
+    region_size: u64,
+) -> Result<(Vec<[u8; 32]>, Sha256)> {
+    let n = size.div_ceil(region_size) as usize;
+    let width = rayon::current_num_threads().clamp(1, ONE_PASS_WIDTH);
+    let mut whole = Sha256::new();
+    let mut regions = Vec::with_capacity(n);
+    let mut hashed: Vec<Vec<u8>> = Vec::new();
+    let mut spare: Vec<Vec<u8>> = Vec::new();
+    for first in (0..n).step_by(width) {
+        let stripe = first..n.min(first + width);
+        let mut bufs: Vec<Vec<u8>> = stripe
+            .clone()
+            .map(|_| spare.pop().unwrap_or_default())
+            .collect();
+        let (read, ()) = rayon::join(
+            || {
+                bufs.par_iter_mut()
+                    .zip(stripe.clone())
+                    .map(|(buf, r)| {
+                        let start = r as u64 * region_size;
+                        buf.resize(((start + region_size).min(size) - start) as usize, 0);
+                        src.read_at(start, buf)
+                            .map_err(|source| ManifestError::Io {
+                                path: path.to_path_buf(),
+                                op: "read",
+                                offset: start,
+                                source,
+                            })?;
+                        Ok(Sha256::digest(&buf[..]).into())
+                    })
+                    .collect::<Result<Vec<[u8; 32]>>>()
+            },
+            || hashed.iter().for_each(|b| whole.update(b)),
+        );
+        regions.extend(read?);
+        spare.append(&mut hashed);
+        hashed = bufs;
+    }
+    hashed.iter().for_each(|b| whole.update(b));
+    Ok((regions, whole))
+}
+
 fn regions_of(size: u64) -> usize {
     size.div_ceil(REGION_SIZE) as usize
 }
 
 impl ImageId {
-    /// The identity of the first `size` bytes of an image. Reads it twice over (regions
-    /// in parallel, then the whole-image hash), so use it where the image is made, not
-    /// on every check.
+    /// The identity of the first `size` bytes of an image. Reads the whole image (once
+    /// for regions of [`REGION_SIZE`]), so use it where the image is made, not on every
+    /// check.
     pub fn compute(src: &dyn ReadAt, path: &Path, size: u64) -> Result<ImageId> {
         ImageId::compute_in(src, path, size, REGION_SIZE)
     }
@@ -204,10 +260,17 @@ impl ImageId {
         region_size: u64,
     ) -> Result<ImageId> {
         let region_size = region_size.max(4096);
-        let all: Vec<usize> = (0..size.div_ceil(region_size) as usize).collect();
-        let regions = region_hashes(src, path, size, region_size, &all)?;
-        let mut whole = Sha256::new();
-        hash_range(src, path, 0, size, &mut vec![0u8; 1 << 20], &mut whole)?;
+        let (regions, whole) = if region_size <= ONE_PASS_REGION {
+            one_pass(src, path, size, region_size)?
+        } else {
+            // A region in flight per thread would hold too much: read twice, the
+            // regions in parallel, then the whole image in order.
+            let all: Vec<usize> = (0..size.div_ceil(region_size) as usize).collect();
+            let regions = region_hashes(src, path, size, region_size, &all)?;
+            let mut whole = Sha256::new();
+            hash_range(src, path, 0, size, &mut vec![0u8; 1 << 20], &mut whole)?;
+            (regions, whole)
+        };
         Ok(ImageId {
             size,
             sha256: hex::encode(whole.finalize()),
@@ -421,6 +484,40 @@ mod tests {
             .first_mismatch(&reader(&b), Path::new("b"), 100, |_| true)
             .unwrap();
         assert!(matches!(short, Some(Mismatch::TooSmall { .. })));
+    }
+
+    #[test]
+    fn one_read_and_two_reads_give_the_same_identity() {
+        // Stripes of ONE_PASS_WIDTH regions, a short last region, one short region,
+        // nothing; and regions above ONE_PASS_REGION, read twice.
+        let sizes = [ONE_PASS_WIDTH as u64 * 2 + 3, 1, 0];
+        for (i, regions) in sizes.into_iter().enumerate() {
+            let region = 16 << 10;
+            let a = image((regions * region) as usize + [1000, 0, 0][i], 7 + i as u64);
+            let id =
+                ImageId::compute_in(&reader(&a), Path::new("a"), a.len() as u64, region).unwrap();
+            assert_eq!(id.sha256, hex::encode(Sha256::digest(&a)), "{regions}");
+            let want: Vec<String> = a
+                .chunks(region as usize)
+                .map(|c| hex::encode(Sha256::digest(c)))
+                .collect();
+            assert_eq!(id.regions, want, "{regions}");
+            let coarse = ONE_PASS_REGION * 2;
+            let twice =
+                ImageId::compute_in(&reader(&a), Path::new("a"), a.len() as u64, coarse).unwrap();
+            assert_eq!(twice.sha256, id.sha256);
+            assert_eq!(twice.regions.len(), a.len().div_ceil(coarse as usize));
+        }
+        // A read error names the region's offset.
+        let failing = |off: u64, _: &mut [u8]| {
+            if off == 32 << 10 {
+                Err(std::io::Error::other("gone"))
+            } else {
+                Ok(())
+            }
+        };
+        let e = ImageId::compute_in(&failing, Path::new("f"), 100 << 10, 16 << 10).unwrap_err();
+        assert!(e.to_string().contains("32768"), "{e}");
     }
 
     #[test]

@@ -1221,7 +1221,7 @@ pub(crate) fn remove_stale(dir: &Path, name: &str, keep: Option<&Path>) -> Resul
 
 /// Checks `base` against the bundle's identity of partition `p`'s base and returns
 /// its identity in 4 MiB regions, which the manifest sidecar records: one computation
-/// (it reads the base twice) compared by sha256; only a base that differs is compared
+/// (one read of the base) compared by sha256; only a base that differs is compared
 /// region by region, to name where.
 fn check_base(p: &Partition, base: &Path) -> Result<manifest::ImageId> {
     let (size, read) = base_reader(base)?;
