@@ -62,6 +62,34 @@ fn tiny_parts() -> [(&'static str, PathBuf, PathBuf); 2] {
     ]
 }
 
+/// A temporary folder with a key pair and a bundle of [`tiny_parts`] signed with it:
+/// (folder, public key, parts, bundle).
+fn signed_tiny_bundle() -> (
+    tempfile::TempDir,
+    PathBuf,
+    [(&'static str, PathBuf, PathBuf); 2],
+    PathBuf,
+) {
+    let d = tempfile::tempdir().unwrap();
+    let (key, public) = keys(d.path(), "k");
+    let parts = tiny_parts();
+    let bundle = d.path().join("u.vabc");
+    create(&parts, &bundle, Some(&key));
+    (d, public, parts, bundle)
+}
+
+/// Every file of `want` is in `got` with the same bytes, and nothing else is.
+fn assert_same_files(got: &Path, want: &Path) {
+    assert_eq!(entries(got), entries(want));
+    for f in entries(want) {
+        assert_eq!(
+            std::fs::read(got.join(&f)).unwrap(),
+            std::fs::read(want.join(&f)).unwrap(),
+            "{f}"
+        );
+    }
+}
+
 fn create(parts: &[(&str, PathBuf, PathBuf)], out: &Path, key: Option<&Path>) {
     create_with(parts, out, key, &[]);
 }
@@ -92,11 +120,7 @@ fn base_args(parts: &[(&str, PathBuf, PathBuf)]) -> Vec<String> {
 
 #[test]
 fn a_bundle_installs_to_the_cows_diff_writes_and_applies_to_the_new_images() {
-    let d = tempfile::tempdir().unwrap();
-    let (key, public) = keys(d.path(), "k");
-    let parts = tiny_parts();
-    let bundle = d.path().join("u.vabc");
-    create(&parts, &bundle, Some(&key));
+    let (d, public, parts, bundle) = signed_tiny_bundle();
 
     let v: serde_json::Value =
         serde_json::from_slice(&ok(&["bundle", "info", s(&bundle), "--json"]).stdout).unwrap();
@@ -558,11 +582,7 @@ fn http_server_with(data: Vec<u8>, cuts: usize, cut_after: usize, how: Server) -
 
 #[test]
 fn a_download_cut_mid_way_resumes_where_it_stopped() {
-    let d = tempfile::tempdir().unwrap();
-    let (key, public) = keys(d.path(), "k");
-    let parts = tiny_parts();
-    let bundle = d.path().join("u.vabc");
-    create(&parts, &bundle, Some(&key));
+    let (d, public, parts, bundle) = signed_tiny_bundle();
     let data = std::fs::read(&bundle).unwrap();
     let len = data.len();
     let (url, served) = http_server(data, 3, len / 5);
@@ -622,11 +642,7 @@ fn a_download_cut_mid_way_resumes_where_it_stopped() {
 
 #[test]
 fn a_download_killed_mid_partition_resumes_from_the_bytes_it_saved() {
-    let d = tempfile::tempdir().unwrap();
-    let (key, public) = keys(d.path(), "k");
-    let parts = tiny_parts();
-    let bundle = d.path().join("u.vabc");
-    create(&parts, &bundle, Some(&key));
+    let (d, public, parts, bundle) = signed_tiny_bundle();
     let data = std::fs::read(&bundle).unwrap();
     let info = ok(&["bundle", "info", "--json", s(&bundle)]);
     let info: serde_json::Value = serde_json::from_slice(&info.stdout).unwrap();
@@ -712,14 +728,7 @@ fn a_download_killed_mid_partition_resumes_from_the_bytes_it_saved() {
     ];
     args.extend(bases.iter().map(String::as_str));
     ok(&args);
-    assert_eq!(entries(&out), entries(&want));
-    for f in entries(&want) {
-        assert_eq!(
-            std::fs::read(out.join(&f)).unwrap(),
-            std::fs::read(want.join(&f)).unwrap(),
-            "{f}"
-        );
-    }
+    assert_same_files(&out, &want);
 
     // Saved bytes that are wrong fail to decode or to hash to the signed sha256, and
     // are dropped: that run fails with nothing kept, the next downloads afresh.
@@ -746,11 +755,7 @@ fn a_download_killed_mid_partition_resumes_from_the_bytes_it_saved() {
 
 #[test]
 fn a_server_that_ignores_ranges_still_serves_a_resumed_install() {
-    let d = tempfile::tempdir().unwrap();
-    let (key, public) = keys(d.path(), "k");
-    let parts = tiny_parts();
-    let bundle = d.path().join("u.vabc");
-    create(&parts, &bundle, Some(&key));
+    let (d, public, parts, bundle) = signed_tiny_bundle();
     let whole = Server {
         ignore_ranges: true,
         ..Server::default()
@@ -778,14 +783,7 @@ fn a_server_that_ignores_ranges_still_serves_a_resumed_install() {
         "{o:?}"
     );
     assert!(served.lock().unwrap().len() >= 2);
-    assert_eq!(entries(&out), entries(&want));
-    for f in entries(&want) {
-        assert_eq!(
-            std::fs::read(out.join(&f)).unwrap(),
-            std::fs::read(want.join(&f)).unwrap(),
-            "{f}"
-        );
-    }
+    assert_same_files(&out, &want);
 }
 
 #[test]
