@@ -13,9 +13,13 @@
 # Usage: bench/bundle.sh [PAIR...]         (default: tiny small medium system)
 # FS=erofs for the EROFS images; VABC=/path/to/vabc skips the build.
 # MULTI=1 also makes one bundle of all the pairs (one partition each) and compares it
-# with the sum of the anchors.
+# with the sum of the anchors. ROUNDS=N (default 1) runs the three creations and the
+# install N times, in turn, and reports the median times and the largest peak RSS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+ROOT=$PWD
+. bench/common.sh
+ROUNDS=${ROUNDS:-1}
 PAIRS=${*:-tiny small medium system}
 FS=${FS:-ext4}
 CORPUS=${CORPUS:-${TMPDIR:-/tmp}/corpus}
@@ -37,19 +41,35 @@ measure() {
 	cat "$t"
 }
 same() { cmp -s "$1" "$2" || { echo "MISMATCH: $1 is not $2" >&2; exit 1; }; }
+# med NAME: the median of the times in file NAME.t, the largest RSS in NAME.m.
+med() { printf '%s %s\n' "$(median <"$WORK/$1.t")" "$(sort -g "$WORK/$1.m" | tail -1)"; }
 
-echo "| pair | image MB | vabc bundle | xdelta3 -9 -B | zstd -19 --patch-from | bundle / best | create s (vabc / xdelta3 / zstd) | create peak RSS MiB (vabc / xdelta3 / zstd) | install s, peak RSS MiB |"
-echo "|---|---|---|---|---|---|---|---|---|"
+echo "| pair | image MB | vabc bundle | xdelta3 -9 -B | zstd -19 --patch-from | bundle / best | create s (vabc / xdelta3 / zstd) | create time / xdelta3, / zstd | create peak RSS MiB (vabc / xdelta3 / zstd) | install s, peak RSS MiB |"
+echo "|---|---|---|---|---|---|---|---|---|---|"
 SUM_X=0 SUM_Z=0 SPECS=() BASES=()
 for p in $PAIRS; do
 	OLD=$CORPUS/$p/old.$FS.img NEW=$CORPUS/$p/new.$FS.img
 	[ -f "$NEW" ] || bash ../shared/corpus/make-corpus.sh -p "$p" -o "$CORPUS" >/dev/null
 	out=$WORK/$p
 	rm -rf "$out" && mkdir -p "$out/cows" "$out/imgs"
-	read -r vt vm < <(measure "$VABC" bundle create -p "$p=$OLD,$NEW" -o "$out/u.vabc" --key "$WORK/key.pem")
-	read -r xt xm < <(measure xdelta3 -9 -B "$(stat -c %s "$OLD")" -e -f -s "$OLD" "$NEW" "$out/u.xd3")
-	read -r zt zm < <(measure zstd -q -19 --long=31 -f --patch-from="$OLD" "$NEW" -o "$out/u.zst")
-	read -r it im < <(measure "$VABC" bundle install "$out/u.vabc" -b "$p=$OLD" -o "$out/cows" --key "$WORK/pub.pem")
+	rm -f "$WORK"/[vxzi].[tm]
+	for _ in $(seq "$ROUNDS"); do
+		rm -rf "$out/cows" && mkdir -p "$out/cows"
+		for t in v x z i; do
+			case $t in
+			v) r=$(measure "$VABC" bundle create -p "$p=$OLD,$NEW" -o "$out/u.vabc" --key "$WORK/key.pem") ;;
+			x) r=$(measure xdelta3 -9 -B "$(stat -c %s "$OLD")" -e -f -s "$OLD" "$NEW" "$out/u.xd3") ;;
+			z) r=$(measure zstd -q -19 --long=31 -f --patch-from="$OLD" "$NEW" -o "$out/u.zst") ;;
+			i) r=$(measure "$VABC" bundle install "$out/u.vabc" -b "$p=$OLD" -o "$out/cows" --key "$WORK/pub.pem") ;;
+			esac
+			echo "${r% *}" >>"$WORK/$t.t"
+			echo "${r#* }" >>"$WORK/$t.m"
+		done
+	done
+	read -r vt vm < <(med v)
+	read -r xt xm < <(med x)
+	read -r zt zm < <(med z)
+	read -r it im < <(med i)
 	# Every output decodes to NEW.
 	"$VABC" bundle apply "$out/u.vabc" -b "$p=$OLD" -o "$out/imgs" --key "$WORK/pub.pem" >/dev/null
 	same "$out/imgs/$p.img" "$NEW"
@@ -62,9 +82,11 @@ for p in $PAIRS; do
 	best=$((xs < zs ? xs : zs))
 	SUM_X=$((SUM_X + xs)) SUM_Z=$((SUM_Z + zs))
 	SPECS+=(-p "$p=$OLD,$NEW") BASES+=(-b "$p=$OLD")
-	printf '| %s | %.0f | %s | %s | %s | %.3f | %s / %s / %s | %d / %d / %d | %s, %d |\n' \
+	printf '| %s | %.0f | %s | %s | %s | %.3f | %s / %s / %s | %.2f, %.2f | %d / %d / %d | %s, %d |\n' \
 		"$p" "$(echo "$(stat -c %s "$NEW") / 1000000" | bc -l)" "$vs" "$xs" "$zs" \
-		"$(echo "$vs / $best" | bc -l)" "$vt" "$xt" "$zt" $((vm / 1024)) $((xm / 1024)) $((zm / 1024)) "$it" $((im / 1024))
+		"$(echo "$vs / $best" | bc -l)" "$vt" "$xt" "$zt" \
+		"$(echo "$vt / $xt" | bc -l)" "$(echo "$vt / $zt" | bc -l)" \
+		$((vm / 1024)) $((xm / 1024)) $((zm / 1024)) "$it" $((im / 1024))
 done
 if [ "${MULTI:-0}" = 1 ]; then
 	read -r vt vm < <(measure "$VABC" bundle create "${SPECS[@]}" -o "$WORK/multi.vabc" --key "$WORK/key.pem")
@@ -72,8 +94,8 @@ if [ "${MULTI:-0}" = 1 ]; then
 	read -r it im < <(measure "$VABC" bundle install "$WORK/multi.vabc" "${BASES[@]}" -o "$WORK/multi" --key "$WORK/pub.pem")
 	vs=$(stat -c %s "$WORK/multi.vabc")
 	best=$((SUM_X < SUM_Z ? SUM_X : SUM_Z))
-	printf '| all (one bundle) | | %s | %s (sum) | %s (sum) | %.3f | %s | %d | %s, %d |\n' \
+	printf '| all (one bundle) | | %s | %s (sum) | %s (sum) | %.3f | %s | | %d | %s, %d |\n' \
 		"$vs" "$SUM_X" "$SUM_Z" "$(echo "$vs / $best" | bc -l)" "$vt" $((vm / 1024)) "$it" $((im / 1024))
 fi
 echo
-echo "$(nproc) CPUs, load $(cut -d' ' -f1 /proc/loadavg); reproduce: FS=$FS MULTI=${MULTI:-0} bench/bundle.sh $PAIRS"
+echo "$(machine), load $(cut -d' ' -f1 /proc/loadavg); medians of $ROUNDS; reproduce: ROUNDS=$ROUNDS FS=$FS MULTI=${MULTI:-0} bench/bundle.sh $PAIRS"
