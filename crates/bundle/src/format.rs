@@ -213,6 +213,16 @@ impl BundleWriter {
     /// `payload` offset, length and sha256 are filled in here.
     pub fn add_partition(&mut self, mut part: Partition) -> Result<()> {
         let path = self.payloads.path().to_path_buf();
+        if !is_partition_name(&part.name) {
+            return Err(BundleError::Format {
+                path: self.out.clone(),
+                offset: 0,
+                msg: format!(
+                    "partition name {:?}: not 1 to 64 letters, digits, '_' or '-'",
+                    part.name
+                ),
+            });
+        }
         let f = self.payloads.as_file_mut();
         let end = f.seek(SeekFrom::End(0)).map_err(io_err(&path, "seek", 0))?;
         let start = self.written;
@@ -304,6 +314,16 @@ impl Write for HashWriter<'_> {
     fn flush(&mut self) -> std::io::Result<()> {
         Ok(())
     }
+}
+
+/// Whether `name` can name a partition: it becomes a file name on the device
+/// (`NAME.cow`), so 1 to 64 ASCII letters, digits, `_` and `-` (Android's partition
+/// names are of these).
+pub fn is_partition_name(name: &str) -> bool {
+    (1..=64).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
 /// Reads a bundle from any byte stream (a file, stdin, a download): header, manifest
@@ -425,8 +445,17 @@ impl<R: Read> BundleReader<R> {
                 format!("manifest format {:?}, not vabc-bundle", manifest.format),
             ));
         }
-        let mut at = 0;
+        let mut at = 0u64;
         for p in &manifest.partitions {
+            if !is_partition_name(&p.name) {
+                return Err(fail(
+                    HEADER_SIZE as u64,
+                    format!(
+                        "partition name {:?}: not 1 to 64 letters, digits, '_' or '-'",
+                        p.name
+                    ),
+                ));
+            }
             if p.payload.offset != at || p.payload.plan_length > p.payload.length {
                 return Err(fail(
                     HEADER_SIZE as u64,
@@ -436,7 +465,12 @@ impl<R: Read> BundleReader<R> {
                     ),
                 ));
             }
-            at += p.payload.length;
+            at = at.checked_add(p.payload.length).ok_or_else(|| {
+                fail(
+                    HEADER_SIZE as u64,
+                    format!("partition {:?}: payload length overflows", p.name),
+                )
+            })?;
         }
         let payload_start = sig_at + slen as u64;
         Ok(BundleReader {
@@ -532,7 +566,12 @@ fn read_source<R: Read>(
     buf: &mut [u8],
 ) -> std::io::Result<usize> {
     let r = inner.read(buf);
-    if matches!(r, Err(_) | Ok(0)) && inner.limit() > 0 && !buf.is_empty() {
+    let failure = match &r {
+        Ok(0) => inner.limit() > 0 && !buf.is_empty(),
+        Ok(_) => false,
+        Err(e) => e.kind() != std::io::ErrorKind::Interrupted,
+    };
+    if failure {
         failed.store(true, std::sync::atomic::Ordering::Relaxed);
     }
     r
@@ -543,22 +582,39 @@ impl<R: Read> Read for PayloadStream<'_, R> {
         use std::os::unix::fs::FileExt;
         let n = match &mut self.spool {
             Some(sp) if self.read < sp.saved => {
-                let want = buf.len().min((sp.saved - self.read) as usize);
-                let n = sp.file.read_at(&mut buf[..want], self.read)?;
+                let left = usize::try_from(sp.saved - self.read).unwrap_or(usize::MAX);
+                let want = buf.len().min(left);
+                let at = self.read;
+                let n = sp.file.read_at(&mut buf[..want], at).map_err(|e| {
+                    std::io::Error::new(
+                        e.kind(),
+                        format!(
+                            "read the saved download {} at offset {at}: {e}",
+                            sp.path.display()
+                        ),
+                    )
+                })?;
                 if n == 0 && want > 0 {
                     return Err(std::io::Error::new(
                         std::io::ErrorKind::UnexpectedEof,
-                        format!("{} shrank while it was read", sp.path.display()),
+                        format!(
+                            "the saved download {} ends at offset {at}: it shrank while it was read",
+                            sp.path.display()
+                        ),
                     ));
                 }
                 n
             }
             Some(sp) => {
                 let n = read_source(&mut self.inner, &self.source_failed, buf)?;
-                sp.file.write_all_at(&buf[..n], self.read).map_err(|e| {
+                let at = self.read;
+                sp.file.write_all_at(&buf[..n], at).map_err(|e| {
                     std::io::Error::new(
                         e.kind(),
-                        format!("save the download to {}: {e}", sp.path.display()),
+                        format!(
+                            "save the download to {} at offset {at}: {e}",
+                            sp.path.display()
+                        ),
                     )
                 })?;
                 n
@@ -636,17 +692,28 @@ impl<R: crate::Source> PayloadStream<'_, R> {
                 msg: "a payload is spooled before it is read".into(),
             });
         }
+        use std::os::unix::fs::OpenOptionsExt;
+        // Not through a link: the name is predictable, and the file is written.
         let file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
             .truncate(false)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
             .open(path)
             .map_err(io_err(path, "open the saved download", 0))?;
-        let mut saved = file
+        let md = file
             .metadata()
-            .map_err(io_err(path, "stat the saved download", 0))?
-            .len();
+            .map_err(io_err(path, "stat the saved download", 0))?;
+        if !md.is_file() {
+            return Err(BundleError::Format {
+                path: path.to_path_buf(),
+                offset: 0,
+                msg: "the saved download's name is taken by something that is not a file".into(),
+            });
+        }
+        let mut saved = md.len();
         if saved > self.len {
             file.set_len(0)
                 .map_err(io_err(path, "truncate the saved download", 0))?;
@@ -704,4 +771,27 @@ fn read_full(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn partition_names_are_file_name_safe() {
+        for ok in ["system", "vendor_dlkm", "odm-a", "a", &"x".repeat(64)] {
+            assert!(is_partition_name(ok), "{ok}");
+        }
+        for bad in [
+            "",
+            "../etc",
+            "a/b",
+            ".hidden",
+            "sys tem",
+            "é",
+            &"x".repeat(65),
+        ] {
+            assert!(!is_partition_name(bad), "{bad}");
+        }
+    }
 }

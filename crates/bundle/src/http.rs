@@ -39,7 +39,9 @@ impl RangeReader {
     pub fn new(url: &str) -> RangeReader {
         let agent: ureq::Agent = ureq::Agent::config_builder()
             .timeout_connect(Some(Duration::from_secs(30)))
-            .timeout_recv_body(Some(Duration::from_secs(60)))
+            // A stall, not a slow download: ureq's body timeout would cut every
+            // response a minute after its headers.
+            .timeout_per_read(Some(Duration::from_secs(60)))
             .build()
             .into();
         RangeReader {
@@ -104,9 +106,26 @@ impl RangeReader {
                     );
                     self.warned_no_ranges = true;
                 }
-                self.total = len;
+                if let Some(l) = len {
+                    if l <= self.pos {
+                        return Err(io::Error::new(
+                            io::ErrorKind::UnexpectedEof,
+                            format!("GET {}: {l} bytes, asked for byte {}", self.url, self.pos),
+                        ));
+                    }
+                    self.total = Some(l);
+                }
                 let mut body = resp.into_body().into_reader();
-                let dropped = io::copy(&mut (&mut body).take(self.pos), &mut io::sink())?;
+                let dropped =
+                    io::copy(&mut (&mut body).take(self.pos), &mut io::sink()).map_err(|e| {
+                        io::Error::new(
+                            e.kind(),
+                            format!(
+                                "GET {}: pass over the first {} bytes: {e}",
+                                self.url, self.pos
+                            ),
+                        )
+                    })?;
                 if dropped != self.pos {
                     return Err(io::Error::new(
                         io::ErrorKind::UnexpectedEof,

@@ -183,8 +183,10 @@ fn hash_range(
 
 /// Largest region [`ImageId::compute_in`] reads in one pass.
 const ONE_PASS_REGION: u64 = REGION_SIZE;
-/// Regions read at once in [`one_pass`] (memory: twice this many regions).
-const ONE_PASS_WIDTH: usize = 8;
+/// Bytes of regions read at once in [`one_pass`]: it holds twice this (the stripe
+/// being read and the one being hashed), plus what the reader buffers. Four 4 MiB
+/// regions keep two cores busy; the whole-image hash, on one, sets the pace anyway.
+const ONE_PASS_STRIPE: u64 = 16 << 20;
 
 /// Region hashes and the whole-image hash from one read of the image: each stripe of
 /// regions is read and hashed region by region in parallel while this thread feeds
@@ -198,7 +200,7 @@ fn one_pass(
     region_size: u64,
 ) -> Result<(Vec<[u8; 32]>, Sha256)> {
     let n = size.div_ceil(region_size) as usize;
-    let width = rayon::current_num_threads().clamp(1, ONE_PASS_WIDTH);
+    let width = (ONE_PASS_STRIPE / region_size).max(1) as usize;
     let mut whole = Sha256::new();
     let mut regions = Vec::with_capacity(n);
     let mut hashed: Vec<Vec<u8>> = Vec::new();
@@ -488,20 +490,28 @@ mod tests {
 
     #[test]
     fn one_read_and_two_reads_give_the_same_identity() {
-        // Stripes of ONE_PASS_WIDTH regions, a short last region, one short region,
-        // nothing; and regions above ONE_PASS_REGION, read twice.
-        let sizes = [ONE_PASS_WIDTH as u64 * 2 + 3, 1, 0];
-        for (i, regions) in sizes.into_iter().enumerate() {
-            let region = 16 << 10;
-            let a = image((regions * region) as usize + [1000, 0, 0][i], 7 + i as u64);
-            let id =
-                ImageId::compute_in(&reader(&a), Path::new("a"), a.len() as u64, region).unwrap();
-            assert_eq!(id.sha256, hex::encode(Sha256::digest(&a)), "{regions}");
+        // Two full stripes and a short last region, one short region, nothing; on 8
+        // threads; and regions above ONE_PASS_REGION, read twice.
+        let region = 1 << 20;
+        let stripe = ONE_PASS_STRIPE / region;
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(8)
+            .build()
+            .unwrap();
+        for (i, len) in [stripe * 2 * region + 1000, 1000, 0]
+            .into_iter()
+            .enumerate()
+        {
+            let a = image(len as usize, 7 + i as u64);
+            let id = pool
+                .install(|| ImageId::compute_in(&reader(&a), Path::new("a"), len, region))
+                .unwrap();
+            assert_eq!(id.sha256, hex::encode(Sha256::digest(&a)), "{len}");
             let want: Vec<String> = a
                 .chunks(region as usize)
                 .map(|c| hex::encode(Sha256::digest(c)))
                 .collect();
-            assert_eq!(id.regions, want, "{regions}");
+            assert_eq!(id.regions, want, "{len}");
             let coarse = ONE_PASS_REGION * 2;
             let twice =
                 ImageId::compute_in(&reader(&a), Path::new("a"), a.len() as u64, coarse).unwrap();

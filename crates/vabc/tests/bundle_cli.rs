@@ -566,9 +566,11 @@ fn http_server_with(data: Vec<u8>, cuts: usize, cut_after: usize, how: Server) -
             } else {
                 body.len()
             };
+            // Logged before it is sent: a client may act on the bytes (and the test
+            // on the client) before the write returns.
+            served.lock().unwrap().push((start, n));
             let _ = conn.write_all(head.as_bytes());
             let _ = conn.write_all(&body[..n]);
-            served.lock().unwrap().push((start, n));
             if how.stall && i < cuts {
                 std::thread::spawn(move || {
                     std::thread::sleep(std::time::Duration::from_secs(300));
@@ -784,6 +786,37 @@ fn a_server_that_ignores_ranges_still_serves_a_resumed_install() {
     );
     assert!(served.lock().unwrap().len() >= 2);
     assert_same_files(&out, &want);
+}
+
+#[test]
+fn a_second_install_into_the_same_folder_is_refused() {
+    use std::os::fd::AsRawFd;
+    let (d, public, parts, bundle) = signed_tiny_bundle();
+    let out = d.path().join("out");
+    std::fs::create_dir(&out).unwrap();
+    // Another install holds the folder.
+    let held = std::fs::File::open(&out).unwrap();
+    // SAFETY: flock on a descriptor `held` owns, open across the call.
+    let r = unsafe { libc::flock(held.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    assert_eq!(r, 0);
+    let mut args = vec![
+        "bundle",
+        "install",
+        s(&bundle),
+        "-o",
+        s(&out),
+        "--key",
+        s(&public),
+    ];
+    let bases = base_args(&parts);
+    args.extend(bases.iter().map(String::as_str));
+    let o = run_vabc(&args);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("another install"), "{err}");
+    assert!(entries(&out).is_empty());
+    drop(held);
+    ok(&args);
 }
 
 #[test]

@@ -217,12 +217,8 @@ fn split_name(s: &str, what: &str) -> Result<(String, String)> {
     let Some((name, rest)) = s.split_once('=') else {
         bail!("{what} {s:?}: expected NAME=...");
     };
-    if name.is_empty()
-        || !name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
-    {
-        bail!("{what} {s:?}: a partition name is letters, digits, '_' and '-'");
+    if !bundle::format::is_partition_name(name) {
+        bail!("{what} {s:?}: a partition name is 1 to 64 letters, digits, '_' and '-'");
     }
     Ok((name.to_string(), rest.to_string()))
 }
@@ -861,6 +857,7 @@ pub(crate) fn install_into(
     if !out_dir.is_dir() {
         bail!("--out-dir {}: not a directory", out_dir.display());
     }
+    let _lock = lock_dir(out_dir)?;
     // Every base before the first byte is written: a wrong one names its first wrong
     // region, and nothing is written.
     let base_ids = r
@@ -924,19 +921,39 @@ pub(crate) fn install_into(
                 part.payload.length
             );
         }
-        // Bytes that do not decode or hash while the source is healthy are wrong: those
-        // saved by an earlier run are dropped, so that the next run downloads them
-        // afresh instead of failing on them again.
+        // Saved bytes that turn out wrong (the plan or a frame does not decode, or the
+        // payload does not hash to the signed sha256) while the source answered are
+        // dropped, so that the next run downloads them afresh instead of failing on
+        // them again. A network failure, a local one (no space, an unreadable base) and
+        // anything after the payload's hash matched keep them for the next run.
         let health = stream.source_health();
-        let blame_saved = |e: anyhow::Error| {
-            if !health.failed()
-                && let Some(sp) = &spool
+        let drop_saved = |e: anyhow::Error| {
+            if let Some(sp) = &spool
+                && !health.failed()
+                && sp.exists()
             {
+                log::warn!(
+                    "partition {}: the payload read did not decode or hash; its saved \
+                     download {} is dropped, the next install fetches it again",
+                    part.name,
+                    sp.display()
+                );
                 let _ = std::fs::remove_file(sp);
             }
             e
         };
-        let plan = read_plan(&mut stream, &part, bundle_path).map_err(blame_saved)?;
+        // Errors of the payload's bytes, as against the writer's or the base's.
+        let bytes_wrong = |e: &anyhow::Error| {
+            e.chain().any(|c| {
+                matches!(
+                    c.downcast_ref::<bundle::BundleError>(),
+                    Some(bundle::BundleError::PayloadHash { .. })
+                ) || c
+                    .downcast_ref::<std::io::Error>()
+                    .is_some_and(|io| io.kind() == std::io::ErrorKind::InvalidData)
+            })
+        };
+        let plan = read_plan(&mut stream, &part, bundle_path).map_err(drop_saved)?;
         let old = ImageFile::open(base, false)?;
         let copts = CowOptions {
             version: part.cow.version,
@@ -962,13 +979,15 @@ pub(crate) fn install_into(
             part.image.new.size,
         )
         .context("start the data stream")
-        .map_err(blame_saved)?;
+        .map_err(|e| if bytes_wrong(&e) { drop_saved(e) } else { e })?;
         let written = write_cow(&plan, &old, &replayer, &tmp_cow, &copts, &Bar::new());
         let rest = replayer.finish().map(drop);
-        let result = written
+        let payload = written
             .map_err(anyhow::Error::from)
             .and_then(|_| rest.map_err(|m| anyhow::anyhow!("{}: {m}", bundle_path.display())))
             .and_then(|_| stream.finish().map_err(anyhow::Error::from))
+            .map_err(|e| if bytes_wrong(&e) { drop_saved(e) } else { e });
+        let result = payload
             .and_then(|()| sha256_file(&tmp_cow))
             .and_then(|got| {
                 if got != (part.cow.size, part.cow.sha256.clone()) {
@@ -986,9 +1005,17 @@ pub(crate) fn install_into(
             });
         if let Err(e) = result {
             let _ = std::fs::remove_file(&tmp_cow);
-            return Err(
-                blame_saved(e).context(format!("install partition {} (nothing kept)", part.name))
-            );
+            let from_saved = match &spool {
+                Some(sp) if resumed_bytes > 0 => format!(
+                    "; its first {resumed_bytes} payload bytes were read back from {}",
+                    sp.display()
+                ),
+                _ => String::new(),
+            };
+            return Err(e.context(format!(
+                "install partition {} (nothing kept{from_saved})",
+                part.name
+            )));
         }
         // The hash file before the COW's rename: a kept COW always has its tree.
         let proved = device_manifest(&part, &tmp_cow, base, base_id).and_then(|m| {
@@ -1042,7 +1069,7 @@ fn read_plan<R: std::io::Read>(
         .read_exact(&mut len)
         .with_context(|| format!("{}: read the plan of {}", bundle_path.display(), part.name))?;
     let plan_len = u64::from_le_bytes(len);
-    if plan_len + 8 != part.payload.plan_length {
+    if plan_len.checked_add(8) != Some(part.payload.plan_length) {
         bail!(
             "{}: offset {}: partition {}: plan of {plan_len} bytes, the manifest says {}",
             bundle_path.display(),
@@ -1271,8 +1298,6 @@ fn base_reader(base: &Path) -> Result<(u64, impl manifest::ReadAt)> {
     }))
 }
 
-/// The COWs (and hash files) that still have to be written must fit in `dir`'s file
-/// system.
 /// Refuses an install whose COWs (and hash files) do not fit in `dir`; a download
 /// (`spooling`) also saves one partition's payload at a time beside them.
 fn check_space(m: &BundleManifest, dir: &Path, spooling: bool) -> Result<()> {
@@ -1310,6 +1335,26 @@ fn check_space(m: &BundleManifest, dir: &Path, spooling: bool) -> Result<()> {
     Ok(())
 }
 
+/// Holds `dir` for one install at a time (an advisory lock on the folder itself,
+/// released when the returned file closes): two installs into one folder would remove
+/// each other's temporary files and saved downloads.
+fn lock_dir(dir: &Path) -> Result<File> {
+    use std::os::fd::AsRawFd;
+    let f = File::open(dir).with_context(|| format!("open {}", dir.display()))?;
+    // SAFETY: flock takes a descriptor `f` owns and keeps open across the call.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let e = std::io::Error::last_os_error();
+        if e.kind() == std::io::ErrorKind::WouldBlock {
+            bail!(
+                "{}: another install is writing into this folder; nothing was written",
+                dir.display()
+            );
+        }
+        return Err(e).with_context(|| format!("lock {}", dir.display()));
+    }
+    Ok(f)
+}
+
 /// Whether the bundle is fetched over HTTP(S) (see [`open_input`]).
 fn is_url(path: &Path) -> bool {
     let text = path.to_string_lossy();
@@ -1320,7 +1365,14 @@ fn is_url(path: &Path) -> bool {
 /// payload's signed sha256 so that a resumed install reads back only its own bytes
 /// ([`bundle::PayloadStream::spool`]).
 fn spool_path(dir: &Path, p: &Partition) -> PathBuf {
-    let id = p.payload.sha256.get(..16).unwrap_or(&p.payload.sha256);
+    // An unsigned manifest's hash may be anything: only hex digits go into the name.
+    let id: String = p
+        .payload
+        .sha256
+        .chars()
+        .take(16)
+        .map(|c| if c.is_ascii_hexdigit() { c } else { '_' })
+        .collect();
     dir.join(format!(".{}.payload.{id}.part", p.name))
 }
 

@@ -227,8 +227,10 @@ fn install(a: InstallArgs) -> Result<ExitCode> {
         Ok(done) => done,
         Err(e) => {
             // Bad data found while streaming (a truncated or altered download): the
-            // device as it was, when this run began the install. A resumed install
-            // keeps its state, to resume again.
+            // device as it was, when this run began the install; a download cut by
+            // the network keeps what it saved, for the next run (`install_into` drops
+            // saved bytes that did not decode or hash). A resumed install keeps
+            // its state, to resume again.
             if let (State::None, Some(u)) = (&before, &begun) {
                 store.save(&State::None)?;
                 store.remove_update_files(u)?;
