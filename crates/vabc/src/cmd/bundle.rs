@@ -1337,7 +1337,8 @@ fn check_space(m: &BundleManifest, dir: &Path, spooling: bool) -> Result<()> {
 
 /// Holds `dir` for one install at a time (an advisory lock on the folder itself,
 /// released when the returned file closes): two installs into one folder would remove
-/// each other's temporary files and saved downloads.
+/// each other's temporary files and saved downloads. Where the file system has no
+/// locks, the install goes on unlocked.
 fn lock_dir(dir: &Path) -> Result<File> {
     use std::os::fd::AsRawFd;
     let f = File::open(dir).with_context(|| format!("open {}", dir.display()))?;
@@ -1350,7 +1351,8 @@ fn lock_dir(dir: &Path) -> Result<File> {
                 dir.display()
             );
         }
-        return Err(e).with_context(|| format!("lock {}", dir.display()));
+        // A file system without locks (some network and FUSE ones) still installs.
+        log::debug!("{}: cannot lock ({e}); installing without", dir.display());
     }
     Ok(f)
 }
