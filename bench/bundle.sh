@@ -18,6 +18,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
+# shellcheck source=bench/common.sh
 . bench/common.sh
 ROUNDS=${ROUNDS:-1}
 PAIRS=${*:-tiny small medium system}
@@ -25,10 +26,7 @@ FS=${FS:-ext4}
 CORPUS=${CORPUS:-${TMPDIR:-/tmp}/corpus}
 WORK=${BENCH_DIR:-${TMPDIR:-/tmp}/vabc-bench-bundle}
 mkdir -p "$WORK"
-if [ -z "${VABC:-}" ]; then
-	cargo build --release -q -p vabc
-	VABC=${CARGO_TARGET_DIR:-target}/release/vabc
-fi
+need_vabc
 command -v xdelta3 >/dev/null && command -v zstd >/dev/null && command -v openssl >/dev/null ||
 	{ echo "needs xdelta3, zstd and openssl (scripts/install-deps.sh)" >&2; exit 1; }
 [ -f "$WORK/key.pem" ] || openssl genpkey -algorithm ed25519 -out "$WORK/key.pem" 2>/dev/null

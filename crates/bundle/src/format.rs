@@ -213,16 +213,7 @@ impl BundleWriter {
     /// `payload` offset, length and sha256 are filled in here.
     pub fn add_partition(&mut self, mut part: Partition) -> Result<()> {
         let path = self.payloads.path().to_path_buf();
-        if !is_partition_name(&part.name) {
-            return Err(BundleError::Format {
-                path: self.out.clone(),
-                offset: 0,
-                msg: format!(
-                    "partition name {:?}: not 1 to 64 letters, digits, '_' or '-'",
-                    part.name
-                ),
-            });
-        }
+        check_partition_name(&part.name, &self.out, 0)?;
         let f = self.payloads.as_file_mut();
         let end = f.seek(SeekFrom::End(0)).map_err(io_err(&path, "seek", 0))?;
         let start = self.written;
@@ -324,6 +315,18 @@ pub fn is_partition_name(name: &str) -> bool {
         && name
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+/// [`is_partition_name`], as the error of a bundle at `path` that breaks it.
+fn check_partition_name(name: &str, path: &Path, offset: u64) -> Result<()> {
+    if is_partition_name(name) {
+        return Ok(());
+    }
+    Err(BundleError::Format {
+        path: path.to_path_buf(),
+        offset,
+        msg: format!("partition name {name:?}: not 1 to 64 letters, digits, '_' or '-'"),
+    })
 }
 
 /// Reads a bundle from any byte stream (a file, stdin, a download): header, manifest
@@ -447,15 +450,7 @@ impl<R: Read> BundleReader<R> {
         }
         let mut at = 0u64;
         for p in &manifest.partitions {
-            if !is_partition_name(&p.name) {
-                return Err(fail(
-                    HEADER_SIZE as u64,
-                    format!(
-                        "partition name {:?}: not 1 to 64 letters, digits, '_' or '-'",
-                        p.name
-                    ),
-                ));
-            }
+            check_partition_name(&p.name, path, HEADER_SIZE as u64)?;
             if p.payload.offset != at || p.payload.plan_length > p.payload.length {
                 return Err(fail(
                     HEADER_SIZE as u64,
@@ -677,12 +672,11 @@ impl<R: crate::Source> PayloadStream<'_, R> {
     /// Saves the payload to the file at `path` as it is read, so that a run killed
     /// part-way (a power cut, a killed process) does not download it again: what an
     /// earlier run saved there is read back first and passed over in the source (a
-    /// download then asks for the range after it). Returns the bytes read back. Call it
-    /// before reading. The saved bytes are not trusted: they go through the payload's
-    /// sha256 like the rest: a payload that does not hash to the manifest's, or does
-    /// not decode, fails while its source is healthy ([`source_health`](Self::source_health)),
-    /// and the caller then removes the file. A file
-    /// longer than the payload is from something else and is started again.
+    /// download then asks for the range after it). Returns the bytes read back; call
+    /// it before reading. The saved bytes are not trusted: they go through the
+    /// payload's sha256 with the rest. When they fail that, or do not decode, while
+    /// [`source_health`](Self::source_health) is good, the caller removes the file. A
+    /// file longer than the payload is from something else and is started again.
     pub fn spool(&mut self, path: &Path) -> Result<u64> {
         let at = self.position();
         if self.read != 0 {
