@@ -181,30 +181,57 @@ fn hash_range(
     Ok(())
 }
 
-/// Largest region [`ImageId::compute_in`] reads in one pass.
-const ONE_PASS_REGION: u64 = REGION_SIZE;
-/// Bytes of regions read at once in [`one_pass`]: it holds twice this (the stripe
-/// being read and the one being hashed), plus what the reader buffers. Four 4 MiB
-/// regions keep two cores busy; the whole-image hash, on one, sets the pace anyway.
+/// Largest piece [`one_pass`] reads at once; a larger region is read in pieces.
+const ONE_PASS_CHUNK: u64 = REGION_SIZE;
+/// Bytes read at once in [`one_pass`]: it holds twice this (the stripe being read
+/// and the one being hashed), plus what the reader buffers. Four 4 MiB pieces keep two
+/// cores busy; the whole-image hash, on one, sets the pace anyway.
 const ONE_PASS_STRIPE: u64 = 16 << 20;
 
-/// Region hashes and the whole-image hash from one read of the image: each stripe of
-/// regions is read and hashed region by region in parallel while this thread feeds
-/// the stripe before it, in order, to the whole-image hash. The two hashes take turns
-/// on the same bytes instead of each reading the image (`vabc diff` reads two images,
-/// an install the new image through its COW).
+/// Region hashes and the whole-image hash from one read of the image (`vabc diff`
+/// reads two images, an install its base and the new image through its COW, a bundle
+/// its bases in coarse regions). Each stripe of pieces is read in parallel while this
+/// thread feeds the stripe before it, in order, to the whole-image hash. Regions of at
+/// most a piece are hashed as they are read, in parallel; larger ones are fed piece by
+/// piece beside the whole-image hash.
 fn one_pass(
     src: &dyn ReadAt,
     path: &Path,
     size: u64,
     region_size: u64,
 ) -> Result<(Vec<[u8; 32]>, Sha256)> {
-    let n = size.div_ceil(region_size) as usize;
-    let width = (ONE_PASS_STRIPE / region_size).max(1) as usize;
+    let chunk = region_size.min(ONE_PASS_CHUNK);
+    let per_piece = region_size <= ONE_PASS_CHUNK;
+    let n = size.div_ceil(chunk) as usize;
+    let width = (ONE_PASS_STRIPE / chunk).max(1) as usize;
     let mut whole = Sha256::new();
-    let mut regions = Vec::with_capacity(n);
+    let mut regions = Vec::with_capacity(size.div_ceil(region_size) as usize);
+    // Large regions: the one being fed, and where the bytes fed so far end.
+    let mut region = Sha256::new();
+    let mut fed = 0u64;
     let mut hashed: Vec<Vec<u8>> = Vec::new();
     let mut spare: Vec<Vec<u8>> = Vec::new();
+    let mut feed = |bufs: &[Vec<u8>], whole: &mut Sha256, regions: &mut Vec<[u8; 32]>| {
+        rayon::join(
+            || bufs.iter().for_each(|b| whole.update(b)),
+            || {
+                if per_piece {
+                    return;
+                }
+                for mut b in bufs.iter().map(|b| &b[..]) {
+                    while !b.is_empty() {
+                        let end = ((fed / region_size + 1) * region_size).min(size);
+                        let take = b.len().min((end - fed) as usize);
+                        region.update(&b[..take]);
+                        (fed, b) = (fed + take as u64, &b[take..]);
+                        if fed == end {
+                            regions.push(region.finalize_reset().into());
+                        }
+                    }
+                }
+            },
+        );
+    };
     for first in (0..n).step_by(width) {
         let stripe = first..n.min(first + width);
         let mut bufs: Vec<Vec<u8>> = stripe
@@ -215,9 +242,9 @@ fn one_pass(
             || {
                 bufs.par_iter_mut()
                     .zip(stripe.clone())
-                    .map(|(buf, r)| {
-                        let start = r as u64 * region_size;
-                        buf.resize(((start + region_size).min(size) - start) as usize, 0);
+                    .map(|(buf, k)| {
+                        let start = k as u64 * chunk;
+                        buf.resize(((start + chunk).min(size) - start) as usize, 0);
                         src.read_at(start, buf)
                             .map_err(|source| ManifestError::Io {
                                 path: path.to_path_buf(),
@@ -225,17 +252,18 @@ fn one_pass(
                                 offset: start,
                                 source,
                             })?;
-                        Ok(Sha256::digest(&buf[..]).into())
+                        Ok(per_piece.then(|| Sha256::digest(&buf[..]).into()))
                     })
-                    .collect::<Result<Vec<[u8; 32]>>>()
+                    .collect::<Result<Vec<Option<[u8; 32]>>>>()
             },
-            || hashed.iter().for_each(|b| whole.update(b)),
+            || feed(&hashed, &mut whole, &mut regions),
         );
-        regions.extend(read?);
+        // Pieces' own hashes come in order, ahead of `feed`'s (which are none then).
+        regions.extend(read?.into_iter().flatten());
         spare.append(&mut hashed);
         hashed = bufs;
     }
-    hashed.iter().for_each(|b| whole.update(b));
+    feed(&hashed, &mut whole, &mut regions);
     Ok((regions, whole))
 }
 
@@ -244,9 +272,8 @@ fn regions_of(size: u64) -> usize {
 }
 
 impl ImageId {
-    /// The identity of the first `size` bytes of an image. Reads the whole image (once
-    /// for regions of [`REGION_SIZE`]), so use it where the image is made, not on every
-    /// check.
+    /// The identity of the first `size` bytes of an image. Reads the whole image once,
+    /// so use it where the image is made, not on every check.
     pub fn compute(src: &dyn ReadAt, path: &Path, size: u64) -> Result<ImageId> {
         ImageId::compute_in(src, path, size, REGION_SIZE)
     }
@@ -262,17 +289,7 @@ impl ImageId {
         region_size: u64,
     ) -> Result<ImageId> {
         let region_size = region_size.max(4096);
-        let (regions, whole) = if region_size <= ONE_PASS_REGION {
-            one_pass(src, path, size, region_size)?
-        } else {
-            // A region in flight per thread would hold too much: read twice, the
-            // regions in parallel, then the whole image in order.
-            let all: Vec<usize> = (0..size.div_ceil(region_size) as usize).collect();
-            let regions = region_hashes(src, path, size, region_size, &all)?;
-            let mut whole = Sha256::new();
-            hash_range(src, path, 0, size, &mut vec![0u8; 1 << 20], &mut whole)?;
-            (regions, whole)
-        };
+        let (regions, whole) = one_pass(src, path, size, region_size)?;
         Ok(ImageId {
             size,
             sha256: hex::encode(whole.finalize()),
@@ -489,34 +506,30 @@ mod tests {
     }
 
     #[test]
-    fn one_read_and_two_reads_give_the_same_identity() {
-        // Two full stripes and a short last region, one short region, nothing; on 8
-        // threads; and regions above ONE_PASS_REGION, read twice.
-        let region = 1 << 20;
-        let stripe = ONE_PASS_STRIPE / region;
+    fn one_read_gives_the_sha256_of_the_image_and_of_each_region() {
+        // Two full stripes and a short end, one short piece, nothing; on 8 threads;
+        // regions of a piece or less (hashed as read), of two pieces, and of a size
+        // whose boundaries fall inside pieces.
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(8)
             .build()
             .unwrap();
-        for (i, len) in [stripe * 2 * region + 1000, 1000, 0]
+        for (i, len) in [ONE_PASS_STRIPE * 2 + 1000, 1000, 0]
             .into_iter()
             .enumerate()
         {
             let a = image(len as usize, 7 + i as u64);
-            let id = pool
-                .install(|| ImageId::compute_in(&reader(&a), Path::new("a"), len, region))
-                .unwrap();
-            assert_eq!(id.sha256, hex::encode(Sha256::digest(&a)), "{len}");
-            let want: Vec<String> = a
-                .chunks(region as usize)
-                .map(|c| hex::encode(Sha256::digest(c)))
-                .collect();
-            assert_eq!(id.regions, want, "{len}");
-            let coarse = ONE_PASS_REGION * 2;
-            let twice =
-                ImageId::compute_in(&reader(&a), Path::new("a"), a.len() as u64, coarse).unwrap();
-            assert_eq!(twice.sha256, id.sha256);
-            assert_eq!(twice.regions.len(), a.len().div_ceil(coarse as usize));
+            for region in [1 << 20, ONE_PASS_CHUNK * 2, (5 << 20) + 4096] {
+                let id = pool
+                    .install(|| ImageId::compute_in(&reader(&a), Path::new("a"), len, region))
+                    .unwrap();
+                assert_eq!(id.sha256, hex::encode(Sha256::digest(&a)), "{len} {region}");
+                let want: Vec<String> = a
+                    .chunks(region as usize)
+                    .map(|c| hex::encode(Sha256::digest(c)))
+                    .collect();
+                assert_eq!(id.regions, want, "{len} {region}");
+            }
         }
         // A read error names the region's offset.
         let failing = |off: u64, _: &mut [u8]| {
