@@ -2,7 +2,7 @@
 //! frame of 1024 blocks against 16 KiB windows of the old image), bytes and seconds
 //! for each. Usage: params OLD NEW (env STEP, default 8; SETS; PER_FRAME; MARGIN, the
 //! windows' widening in bytes; FB, blocks per frame; GROUP_PREFIX; HIST: see
-//! `common` and below).
+//! `common` and below; CDICT, ATTACH: below).
 mod common;
 
 use delta::{ImageFile, NoProgress, PlanOptions};
@@ -45,6 +45,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let f: Vec<i32> = set.split(',').map(|x| x.parse().unwrap()).collect();
         let t = std::time::Instant::now();
         let mut total = 0;
+        // CDICT: each prefix loaded once as a dictionary for all the frames that share
+        // it (ATTACH=copy|load|default: how zstd uses it; attached by default).
+        let cdict = std::env::var("CDICT").is_ok();
+        let attach = match std::env::var("ATTACH").as_deref() {
+            Ok("copy") => zstd::zstd_safe::DictAttachPref::ForceCopy,
+            Ok("load") => zstd::zstd_safe::DictAttachPref::ForceLoad,
+            Ok("default") => zstd::zstd_safe::DictAttachPref::DefaultAttach,
+            _ => zstd::zstd_safe::DictAttachPref::ForceAttach,
+        };
+        let mut cd: Option<(&Vec<u8>, zstd::bulk::Compressor)> = None;
         for (prefix, content) in &frames {
             let mut c = zstd::bulk::Compressor::new(f[0])?;
             c.set_parameter(CParameter::WindowLog(26))?;
@@ -75,11 +85,25 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     c.set_parameter(p(v as u32))?;
                 }
             }
-            c.context_mut()
-                .ref_prefix(prefix)
-                .map_err(|e| std::io::Error::other(format!("{e}")))?;
             let t1 = std::time::Instant::now();
-            let n = c.compress(content)?.len();
+            let n = if cdict {
+                // One digested dictionary per distinct prefix (a group's frames share it
+                // with GROUP_PREFIX), attached to each frame's search, not copied.
+                if cd.as_ref().is_none_or(|(p, _)| !std::ptr::eq(*p, prefix)) {
+                    let cx = c.context_mut();
+                    cx.set_parameter(CParameter::ForceAttachDict(attach))
+                        .map_err(|e| format!("{e}"))?;
+                    cx.load_dictionary(prefix).map_err(|e| format!("{e}"))?;
+                    cd = Some((prefix, c));
+                }
+                let (_, c) = cd.as_mut().ok_or("no compressor")?;
+                c.compress(content)?.len()
+            } else {
+                c.context_mut()
+                    .ref_prefix(prefix)
+                    .map_err(|e| std::io::Error::other(format!("{e}")))?;
+                c.compress(content)?.len()
+            };
             if std::env::var("PER_FRAME").is_ok() {
                 println!(
                     "  frame prefix {} KiB: {n} bytes {:.2} s",
