@@ -20,8 +20,9 @@ use crate::{BundleError, Result, io_err};
 
 /// The first 8 bytes of every bundle.
 pub const MAGIC: [u8; 8] = *b"VABCBNDL";
-/// The container version this build writes and reads.
-pub const FORMAT_VERSION: u32 = 1;
+/// The container version this build writes and reads: 2, whose plans leave out the
+/// merge sequence the reader computes (version 1, before 2026-11-28, carried it).
+pub const FORMAT_VERSION: u32 = 2;
 /// Bytes of the fixed header.
 pub const HEADER_SIZE: usize = size_of::<Header>();
 /// Largest manifest a reader accepts, stored and decoded: bounds what a damaged length

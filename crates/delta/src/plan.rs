@@ -165,7 +165,8 @@ pub struct Plan {
     /// Ascending by `dst`, at most one per block; unchanged blocks have none.
     pub ops: Vec<PlannedOp>,
     /// Destinations of the COPY/XOR ops in a merge order that is safe op by
-    /// op; REPLACE and ZERO follow it.
+    /// op; REPLACE and ZERO follow it. Always `order::order_merge(ops)`'s, so that
+    /// whoever has the ops can compute it.
     pub sequence: Vec<u64>,
     pub census: Census,
     /// Heap bytes of the OLD index while planning.
@@ -248,9 +249,17 @@ fn plan_in_pool(
     let lone_xors = replace_lone_xors(&mut ops, n_new, opts.min_xor_run);
     let far_xors = replace_far_xors(&mut ops, opts.far_xor_blocks);
     let MergeOrder {
-        sequence,
+        mut sequence,
         converted,
     } = order_merge(&mut ops);
+    if converted > 0 {
+        // The order of the final (acyclic) ops, not the one found while breaking the
+        // cycles: the sequence is then a function of `ops` alone, which the device
+        // recomputes instead of receiving it (the update bundle's plan).
+        let again = order_merge(&mut ops);
+        debug_assert_eq!(again.converted, 0, "cycles left after breaking them");
+        sequence = again.sequence;
+    }
     let mut census = Census {
         cycle_breaks: converted,
         far_xors,

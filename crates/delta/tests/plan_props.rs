@@ -180,6 +180,15 @@ fn plan_est(old: &[u8], new: &[u8], threads: usize, xor: bool, estimator: Estima
 
 fn check(old: &[u8], new: &[u8], plan: &Plan) {
     verify_order(&plan.ops, &plan.sequence).unwrap();
+    // The sequence follows from the final ops alone: an update bundle does not carry
+    // it, the device computes it again.
+    let mut ops = plan.ops.clone();
+    let again = delta::order::order_merge(&mut ops);
+    assert_eq!(again.converted, 0, "the final ops still have a cycle");
+    assert_eq!(
+        again.sequence, plan.sequence,
+        "the sequence is not the ops' own"
+    );
     let merged = merge_in_place(old, new, plan);
     assert!(merged == new, "in-place merge does not reproduce NEW");
     // No op for a block that did not change; every op's block is in NEW.

@@ -351,12 +351,12 @@ fn wrong_base_truncation_and_unknown_versions_are_clear_errors() {
         assert!(entries(&out).is_empty());
     }
     let mut b = good.clone();
-    b[8] = 2;
+    b[8] = 3;
     std::fs::write(&bad, &b).unwrap();
     let o = run_vabc(&["bundle", "info", s(&bad)]);
     let e = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1));
-    assert!(e.contains("bundle format version 2"), "{e}");
+    assert!(e.contains("bundle format version 3"), "{e}");
 }
 
 #[test]
