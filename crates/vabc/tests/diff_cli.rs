@@ -284,6 +284,36 @@ fn new_larger_and_smaller_than_old() {
     round_trip(&b, &a, dir.path(), &["--format", "v2"]);
 }
 
+/// `--base OLD --new NEW` name the same inputs as `OLD NEW` (the spelling the other
+/// commands use); one input named both ways, or neither, is a usage error.
+#[test]
+fn inputs_by_flags_or_position() {
+    let dir = tempfile::tempdir().unwrap();
+    let old = write(dir.path(), "old", &[1u8; 64 << 10]);
+    let mut n = vec![1u8; 64 << 10];
+    n[5000..5100].fill(9);
+    let new = write(dir.path(), "new", &n);
+    let (a, b) = (dir.path().join("a.cow"), dir.path().join("b.cow"));
+    ok(
+        &vabc(&["diff", s(&old), s(&new), "-o", s(&a)]),
+        "positional",
+    );
+    ok(
+        &vabc(&["diff", "--base", s(&old), "--new", s(&new), "-o", s(&b)]),
+        "flags",
+    );
+    assert_eq!(std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
+    let c = dir.path().join("c.cow");
+    for args in [
+        vec!["diff", "--base", s(&old), s(&new), "-o", s(&c)],
+        vec!["diff", "-o", s(&c)],
+    ] {
+        let o = vabc(&args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}");
+    }
+    assert!(!c.exists());
+}
+
 fn write(dir: &Path, name: &str, data: &[u8]) -> PathBuf {
     let p = dir.join(name);
     std::fs::write(&p, data).unwrap();

@@ -22,10 +22,26 @@ pub enum Format {
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// The image on the device (file or block device).
-    pub old: PathBuf,
-    /// The image to ship (file or block device).
-    pub new: PathBuf,
+    /// The image on the device (file or block device); or `--base`.
+    #[arg(
+        value_name = "OLD",
+        required_unless_present = "base",
+        conflicts_with = "base"
+    )]
+    pub old: Option<PathBuf>,
+    /// The image to ship (file or block device); or `--new`.
+    #[arg(
+        value_name = "NEW",
+        required_unless_present = "new_image",
+        conflicts_with = "new_image"
+    )]
+    pub new: Option<PathBuf>,
+    /// OLD, spelt as the other commands name the image an update applies to.
+    #[arg(long, value_name = "OLD")]
+    pub base: Option<PathBuf>,
+    /// NEW, as a flag.
+    #[arg(long = "new", id = "new_image", value_name = "NEW")]
+    pub new_image: Option<PathBuf>,
     /// Output COW file (written to a temporary file, renamed when complete).
     #[arg(short, long)]
     pub output: PathBuf,
@@ -242,7 +258,14 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Format::V2 => 2,
         Format::V3 => 3,
     };
-    for input in [&args.old, &args.new] {
+    // clap requires one spelling of each (a positional or its flag), never both.
+    let (Some(old_path), Some(new_path)) = (
+        args.base.as_ref().or(args.old.as_ref()),
+        args.new_image.as_ref().or(args.new.as_ref()),
+    ) else {
+        bail!("diff needs OLD (or --base) and NEW (or --new)");
+    };
+    for input in [old_path, new_path] {
         if same_file(input, &args.output) {
             bail!(
                 "output {} is the same file as input {}",
@@ -251,8 +274,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             );
         }
     }
-    let old = ImageFile::open(&args.old, args.pad)?;
-    let new = ImageFile::open(&args.new, args.pad)?;
+    let old = ImageFile::open(old_path, args.pad)?;
+    let new = ImageFile::open(new_path, args.pad)?;
     let bar = Bar {
         bar: Mutex::new(None),
         // The mode (bar, lines, off) is decided by progress::init.
@@ -295,10 +318,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         .with_context(|| format!("read back {}", args.output.display()))?;
     let m = manifest::Manifest {
         schema_version: manifest::SCHEMA_VERSION,
-        base: id(&old, &args.old, plan.old_size)?,
-        new: id(&new, &args.new, plan.new_size)?,
+        base: id(&old, old_path, plan.old_size)?,
+        new: id(&new, new_path, plan.new_size)?,
         cow_ops: written.ops().len() as u64,
-        merged_op_hashes: Some(crate::checks::op_hashes(&written, &new_read, &args.new)?),
+        merged_op_hashes: Some(crate::checks::op_hashes(&written, &new_read, new_path)?),
     };
     crate::output::write_atomic(&manifest_path, m.to_json().as_bytes())?;
     let verity = if args.verity {
@@ -307,8 +330,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             p.push(".verity");
             PathBuf::from(p)
         });
-        let f = super::verity::format_default(&args.new, &hashfile, args.verity_salt.as_deref())
-            .with_context(|| format!("verity tree of {}", args.new.display()))?;
+        let f = super::verity::format_default(new_path, &hashfile, args.verity_salt.as_deref())
+            .with_context(|| format!("verity tree of {}", new_path.display()))?;
         Some(VerityReport {
             hashfile,
             uuid: verity::format_uuid(&f.uuid),
@@ -326,8 +349,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let c = plan.census;
     let report = Report {
         schema_version: crate::SCHEMA_VERSION,
-        old: args.old.clone(),
-        new: args.new.clone(),
+        old: old_path.clone(),
+        new: new_path.clone(),
         output: args.output.clone(),
         old_size: plan.old_size,
         new_size: plan.new_size,
