@@ -194,35 +194,28 @@ pub fn decode(bytes: &[u8], new_size: u64) -> Result<Plan, String> {
 mod tests {
     use super::*;
 
-    #[test]
-    fn round_trip() {
-        let ops = vec![
-            PlannedOp {
-                dst: 0,
-                op: BlockOp::Copy { src_block: 7 },
-            },
-            PlannedOp {
-                dst: 1,
-                op: BlockOp::Xor { src_offset: 3 },
-            },
-            PlannedOp {
-                dst: 5,
-                op: BlockOp::Zero,
-            },
-            PlannedOp {
-                dst: 9,
-                op: BlockOp::Replace,
-            },
-        ];
-        let plan = Plan {
-            old_size: 16 * BS,
-            new_size: 10 * BS,
-            ops,
+    /// A plan of `ops` (block, op) between images of `old` and `new` blocks.
+    fn plan(old: u64, new: u64, ops: &[(u64, BlockOp)], hints: Vec<(u64, u64)>) -> Plan {
+        Plan {
+            old_size: old * BS,
+            new_size: new * BS,
+            ops: ops.iter().map(|&(dst, op)| PlannedOp { dst, op }).collect(),
             sequence: vec![],
             census: Census::default(),
             index_bytes: 0,
-            hints: vec![(9, 12345)],
-        };
+            hints,
+        }
+    }
+
+    #[test]
+    fn round_trip() {
+        let ops = [
+            (0, BlockOp::Copy { src_block: 7 }),
+            (1, BlockOp::Xor { src_offset: 3 }),
+            (5, BlockOp::Zero),
+            (9, BlockOp::Replace),
+        ];
+        let plan = plan(16, 10, &ops, vec![(9, 12345)]);
         let back = decode(&encode(&plan, 3).unwrap(), 10 * BS).unwrap();
         assert_eq!(back.ops, plan.ops);
         // Computed again: block 1's XOR reads block 0, so it merges before 0 does.
@@ -240,23 +233,12 @@ mod tests {
 
     #[test]
     fn ops_past_the_end_are_refused() {
-        let plan = Plan {
-            old_size: 4 * BS,
-            new_size: 4 * BS,
-            ops: vec![PlannedOp {
-                dst: 3,
-                op: BlockOp::Replace,
-            }],
-            sequence: vec![],
-            census: Census::default(),
-            index_bytes: 0,
-            hints: vec![],
-        };
-        let bytes = encode(&plan, 3).unwrap();
+        let p = plan(4, 4, &[(3, BlockOp::Replace)], vec![]);
+        let bytes = encode(&p, 3).unwrap();
         assert!(decode(&bytes, 4 * BS).is_ok());
         let short = Plan {
             new_size: 3 * BS,
-            ..plan
+            ..p
         };
         let bytes = encode(&short, 3).unwrap();
         assert!(decode(&bytes, 3 * BS).unwrap_err().contains("past the end"));
@@ -265,25 +247,11 @@ mod tests {
     #[test]
     fn ops_in_a_cycle_are_refused() {
         // Blocks 0 and 1 each read the other's old content: no planner makes that.
-        let plan = Plan {
-            old_size: 2 * BS,
-            new_size: 2 * BS,
-            ops: vec![
-                PlannedOp {
-                    dst: 0,
-                    op: BlockOp::Copy { src_block: 1 },
-                },
-                PlannedOp {
-                    dst: 1,
-                    op: BlockOp::Copy { src_block: 0 },
-                },
-            ],
-            sequence: vec![],
-            census: Census::default(),
-            index_bytes: 0,
-            hints: vec![],
-        };
-        let e = decode(&encode(&plan, 3).unwrap(), 2 * BS).unwrap_err();
+        let ops = [
+            (0, BlockOp::Copy { src_block: 1 }),
+            (1, BlockOp::Copy { src_block: 0 }),
+        ];
+        let e = decode(&encode(&plan(2, 2, &ops, vec![]), 3).unwrap(), 2 * BS).unwrap_err();
         assert!(e.contains("cycle"), "{e}");
     }
 }
