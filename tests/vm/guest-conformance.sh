@@ -236,11 +236,13 @@ for FS in $FSES; do
 		cp "$WORK/$FS.cow" $T/merge.cow
 		cp "$WORK/$FS.cow.manifest" $T/merge.cow.manifest
 		rm -f $T/merged
-		# The base under dm-delay (writes and flushes 100 ms late, reads at once), so
-		# that the merge takes long enough for many reads to happen while it runs.
+		# The base under dm-delay (writes and flushes 250 ms late, reads at once), so
+		# that the merge takes long enough for many reads to happen while it runs. At
+		# 100 ms the merge took 1-3 s, and once (FUSE, ext4) a stall of the emulated
+		# guest left room for only 15 reads (200 the next two times).
 		SLOW_LOOP=$(losetup --direct-io=on -f --show $T/base.img)
 		dmsetup create vabc-slow --table \
-			"0 $(blockdev --getsz "$SLOW_LOOP") delay $SLOW_LOOP 0 0 $SLOW_LOOP 0 100"
+			"0 $(blockdev --getsz "$SLOW_LOOP") delay $SLOW_LOOP 0 0 $SLOW_LOOP 0 250"
 		if serve_up "$FRONT" /dev/mapper/vabc-slow $T/merge.cow --merge; then
 			# The stop file appears when the daemon reports the merge complete.
 			(while ! grep -q "merge complete" $T/serve.log; do
