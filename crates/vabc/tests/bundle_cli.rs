@@ -14,8 +14,8 @@ fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
-fn ok(args: &[&str]) -> std::process::Output {
-    let o = run_vabc(args);
+fn ok<A: AsRef<std::ffi::OsStr> + std::fmt::Debug>(args: &[A]) -> std::process::Output {
+    let o = Command::new(vabc()).args(args).output().unwrap();
     assert!(
         o.status.success(),
         "vabc {args:?}: {}",
@@ -118,6 +118,20 @@ fn base_args(parts: &[(&str, PathBuf, PathBuf)]) -> Vec<String> {
         .collect()
 }
 
+/// `bundle install FROM -o OUT --key PUBLIC -b NAME=OLD...` for the parts' old images.
+fn install_args(
+    from: &str,
+    out: &Path,
+    public: &Path,
+    parts: &[(&str, PathBuf, PathBuf)],
+) -> Vec<String> {
+    let mut a: Vec<String> = ["bundle", "install", from, "-o", s(out), "--key", s(public)]
+        .map(String::from)
+        .into();
+    a.extend(base_args(parts));
+    a
+}
+
 #[test]
 fn a_bundle_installs_to_the_cows_diff_writes_and_applies_to_the_new_images() {
     let (d, public, parts, bundle) = signed_tiny_bundle();
@@ -144,17 +158,7 @@ fn a_bundle_installs_to_the_cows_diff_writes_and_applies_to_the_new_images() {
     let bundle_size = std::fs::metadata(&bundle).unwrap().len();
     let out = d.path().join("cows");
     std::fs::create_dir(&out).unwrap();
-    let bases = base_args(&parts);
-    let mut args = vec![
-        "bundle",
-        "install",
-        s(&bundle),
-        "-o",
-        s(&out),
-        "--key",
-        s(&public),
-    ];
-    args.extend(bases.iter().map(String::as_str));
+    let args = install_args(s(&bundle), &out, &public, &parts);
     ok(&args);
     let mut cow_total = 0;
     for (name, old, new) in &parts {
@@ -216,7 +220,7 @@ fn a_bundle_installs_to_the_cows_diff_writes_and_applies_to_the_new_images() {
         s(&public),
         "--json",
     ])
-    .args(&bases)
+    .args(base_args(&parts))
     .stdin(std::fs::File::open(&bundle).unwrap());
     let o = cmd.output().unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -366,23 +370,13 @@ fn an_install_killed_at_any_point_resumes_to_the_exact_cows() {
     let parts = tiny_parts();
     let bundle = d.path().join("u.vabc");
     create_with(&parts, &bundle, Some(&key), &["--verity"]);
-    let bases = base_args(&parts);
     let want = d.path().join("want");
     std::fs::create_dir(&want).unwrap();
     let install = |out: &Path| {
         let mut c = Command::new(vabc());
-        c.args([
-            "bundle",
-            "install",
-            s(&bundle),
-            "-o",
-            s(out),
-            "--key",
-            s(&public),
-        ])
-        .args(&bases)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null());
+        c.args(install_args(s(&bundle), out, &public, &parts))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
         c
     };
     assert!(install(&want).status().unwrap().success());
@@ -590,10 +584,8 @@ fn a_download_cut_mid_way_resumes_where_it_stopped() {
     let (url, served) = http_server(data, 3, len / 5);
     let out = d.path().join("out");
     std::fs::create_dir(&out).unwrap();
-    let bases = base_args(&parts);
     let install = |from: &str, to: &Path| {
-        let mut args = vec!["bundle", "install", from, "-o", s(to), "--key", s(&public)];
-        args.extend(bases.iter().map(String::as_str));
+        let args = install_args(from, to, &public, &parts);
         ok(&args)
     };
     install(&url, &out);
@@ -664,20 +656,10 @@ fn a_download_killed_mid_partition_resumes_from_the_bytes_it_saved() {
     let (url, served) = http_server_with(data.clone(), 1, (system_at + saved) as usize, stall);
     let out = d.path().join("out");
     std::fs::create_dir(&out).unwrap();
-    let bases = base_args(&parts);
     let install = |from: &str, to: &Path| {
         let mut c = Command::new(vabc());
-        c.args([
-            "bundle",
-            "install",
-            from,
-            "-o",
-            s(to),
-            "--key",
-            s(&public),
-            "--json",
-        ])
-        .args(&bases);
+        c.args(install_args(from, to, &public, &parts))
+            .arg("--json");
         c
     };
     // The first run hangs where the server stops sending; it is killed once all it
@@ -719,17 +701,7 @@ fn a_download_killed_mid_partition_resumes_from_the_bytes_it_saved() {
     // No saved download is left, and the COWs are the ones a file install writes.
     let want = d.path().join("want");
     std::fs::create_dir(&want).unwrap();
-    let mut args = vec![
-        "bundle",
-        "install",
-        s(&bundle),
-        "-o",
-        s(&want),
-        "--key",
-        s(&public),
-    ];
-    args.extend(bases.iter().map(String::as_str));
-    ok(&args);
+    ok(&install_args(s(&bundle), &want, &public, &parts));
     assert_same_files(&out, &want);
 
     // Saved bytes that are wrong fail to decode or to hash to the signed sha256, and
@@ -763,10 +735,8 @@ fn a_server_that_ignores_ranges_still_serves_a_resumed_install() {
         ..Server::default()
     };
     let (url, served) = http_server_with(std::fs::read(&bundle).unwrap(), 0, 0, whole);
-    let bases = base_args(&parts);
     let install = |from: &str, to: &Path| {
-        let mut args = vec!["bundle", "install", from, "-o", s(to), "--key", s(&public)];
-        args.extend(bases.iter().map(String::as_str));
+        let args = install_args(from, to, &public, &parts);
         ok(&args)
     };
     let want = d.path().join("want");
@@ -799,18 +769,8 @@ fn a_second_install_into_the_same_folder_is_refused() {
     // SAFETY: flock on a descriptor `held` owns, open across the call.
     let r = unsafe { libc::flock(held.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
     assert_eq!(r, 0);
-    let mut args = vec![
-        "bundle",
-        "install",
-        s(&bundle),
-        "-o",
-        s(&out),
-        "--key",
-        s(&public),
-    ];
-    let bases = base_args(&parts);
-    args.extend(bases.iter().map(String::as_str));
-    let o = run_vabc(&args);
+    let args = install_args(s(&bundle), &out, &public, &parts);
+    let o = Command::new(vabc()).args(&args).output().unwrap();
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("another install"), "{err}");
