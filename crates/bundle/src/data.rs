@@ -4,7 +4,8 @@
 //! The COW writer ([`delta::write::write_cow`]) reads the new image only for the
 //! blocks of REPLACE and XOR runs, each once, in the order it writes them. On the host
 //! [`record`] stands in for the new image: it reads the real one and cuts what was read
-//! into frames of [`FRAME_BLOCKS`] blocks. On the device [`Replayer`] stands in for the
+//! into groups of [`GROUP_BLOCKS`], each sorted by block and cut into frames
+//! ([`FrameParams`]). On the device [`Replayer`] stands in for the
 //! new image the device does not have: it answers the same reads, in the same order,
 //! from the frames and the base. Both sides run the same writer on the same plan, so
 //! the device's COW is the host's byte for byte; the signed manifest's sha256 of the COW
@@ -21,11 +22,12 @@
 //! --long=31 --patch-from`: 46 KB); on `medium` the contexts alone left 76 KB, and
 //! windows of 16 KiB around them 8.6 KB (xdelta3: 10.8 KB), since a changed file's
 //! blocks sit a few KiB from where their op's source says. Frames are compressed on
-//! several threads and decoded one at a time: a decoder holds one frame (4 MiB) and
-//! its prefix (at most 36 MiB).
+//! several threads and decoded one at a time: a decoder holds one group (4 MiB) and one
+//! frame's prefix (at most 36 MiB).
 //!
 //! A frame is stored as the `u32` length of its zstd frame, then the zstd frame. Which
-//! blocks it holds follows from the plan ([`data_order`]): both sides compute the
+//! blocks it holds follows from the plan ([`data_order`]) and the frame size in the
+//! manifest: both sides compute the
 //! order, the device builds each frame's prefix from it before decoding, and both check
 //! that the writer reads exactly that order.
 
@@ -37,10 +39,119 @@ use std::sync::mpsc;
 
 use delta::{BlockImage, BlockOp, DeltaError, Plan};
 
-/// Blocks per frame.
-pub const FRAME_BLOCKS: usize = 1024;
+/// Blocks of a *group*: the data blocks in the writer's read order are cut into groups
+/// of this many, each sorted ascending and cut into frames. A decoder holds one group
+/// (4 MiB) at once.
+pub const GROUP_BLOCKS: usize = 1024;
+/// Most blocks a frame holds (a reader refuses more): a group.
+pub const MAX_FRAME_BLOCKS: u32 = GROUP_BLOCKS as u32;
 /// log2 of a frame's window: its prefix (at most 1024 × 36 KiB) and content (4 MiB).
 const WINDOW_LOG: u32 = 26;
+
+/// Blocks per frame, but for an update whose blocks draw on each other's windows.
+pub const FRAME_BLOCKS: u32 = 64;
+/// zstd level of [`FrameParams::choose`]'s probe: a tenth of [`Search::Fast`]'s time.
+const PROBE_LEVEL: i32 = 12;
+
+/// How the frames are cut and searched.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FrameParams {
+    /// Blocks per frame (a group's last frame may hold fewer); written in the manifest.
+    pub blocks: u32,
+    /// How hard zstd searches (the decoder does not need to know).
+    pub search: Search,
+}
+
+/// zstd's search for a frame.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Search {
+    /// A zstd level's own parameters.
+    Level(i32),
+    /// btultra's optimal parse with a short search (searchLog 2) and matches from 3
+    /// bytes: recompiled code shares many short runs with its old version, which
+    /// minMatch 3 finds (`tiny`: 18% fewer bytes than minMatch 4), and a deep search
+    /// adds 1-2% to them at twice the time.
+    Fast,
+}
+
+impl FrameParams {
+    /// How to compress the data of `plan` (`new`'s XOR and REPLACE blocks against
+    /// `old`). `level`: frames of a whole group at that zstd level. Else frames of
+    /// [`FRAME_BLOCKS`] with the [`Search::Fast`] search: a small frame has a small
+    /// prefix, so each position's search is short (`small` pair at level 19: 11.7 MB/s
+    /// searched in frames of 64 blocks, 4.7 MB/s in one frame of 1024), and the frames
+    /// share the CPUs; creation time then stays within `xdelta3 -9`'s on every corpus
+    /// pair (`bench/RESULTS.md`, "The update bundle"). But an update whose data fits
+    /// one group is probed first, at zstd level 12 as one frame and as frames of 64:
+    /// if one frame takes at most 3/4 of the bytes, its blocks draw on each other's
+    /// windows (the `medium` pairs: a rearranged file whose blocks take their bytes
+    /// from old places 1.5 MB apart, 0.47-0.49 on ext4 and EROFS, where every other
+    /// pair is at 0.89-1.02), and it is one frame at level 19, the deepest search,
+    /// which costs little on so few blocks. So is an update of at most one frame's
+    /// blocks.
+    pub fn choose(
+        level: Option<i32>,
+        plan: &Plan,
+        old: &dyn BlockImage,
+        new: &dyn BlockImage,
+    ) -> delta::Result<FrameParams> {
+        let whole = |search| FrameParams {
+            blocks: MAX_FRAME_BLOCKS,
+            search,
+        };
+        if let Some(l) = level {
+            return Ok(whole(Search::Level(l)));
+        }
+        let split = FrameParams {
+            blocks: FRAME_BLOCKS,
+            search: Search::Fast,
+        };
+        let blocks = data_order(plan, false);
+        if blocks.len() <= FRAME_BLOCKS as usize {
+            return Ok(whole(Search::Level(19)));
+        }
+        if blocks.len() > GROUP_BLOCKS {
+            return Ok(split);
+        }
+        let mut content = vec![0u8; blocks.len() * BS];
+        for (b, c) in blocks.iter().zip(content.chunks_mut(BS)) {
+            new.read_exact_at(c, b * BS as u64)?;
+        }
+        let probe = |n: usize| -> delta::Result<usize> {
+            let mut total = 0;
+            for (bs, cs) in blocks.chunks(n).zip(content.chunks(n * BS)) {
+                let frame = Frame {
+                    index: 0,
+                    prefix: frame_prefix(plan, old, bs, new.name())?,
+                    content: cs.to_vec(),
+                };
+                total += compress(&frame, Search::Level(PROBE_LEVEL))
+                    .map_err(|source| DeltaError::Output {
+                        path: new.name().to_path_buf(),
+                        op: "compress a probe of",
+                        source,
+                    })?
+                    .len();
+            }
+            Ok(total)
+        };
+        let (one, frames) = std::thread::scope(|scope| {
+            let one = scope.spawn(|| probe(GROUP_BLOCKS));
+            let frames = probe(FRAME_BLOCKS as usize);
+            (one.join(), frames)
+        });
+        let one = one.map_err(|_| DeltaError::Verify {
+            path: new.name().to_path_buf(),
+            msg: "a probing thread panicked".into(),
+        })??;
+        let frames = frames?;
+        Ok(if one * 4 <= frames * 3 {
+            whole(Search::Level(19))
+        } else {
+            split
+        })
+    }
+}
 
 const BS: usize = delta::BLOCK_SIZE;
 
@@ -149,7 +260,7 @@ fn frame_prefix(
 /// The blocks the COW writer reads, in the order it reads them: the XOR and REPLACE
 /// blocks of its op stream, which is the merge order (`merge_ordered`: v3 without
 /// `--block-order`) or ascending blocks. Frames cut this sequence every
-/// [`FRAME_BLOCKS`]; both sides compute it from the plan, and both check that the
+/// [`FrameParams::blocks`]; both sides compute it from the plan, and both check that the
 /// writer reads exactly it.
 pub fn data_order(plan: &Plan, merge_ordered: bool) -> Vec<u64> {
     if merge_ordered {
@@ -167,31 +278,56 @@ pub fn data_order(plan: &Plan, merge_ordered: bool) -> Vec<u64> {
     }
 }
 
-/// `content` (one 4 KiB block per entry of `blocks`, in that order) rearranged in
-/// ascending block order: inside a frame, neighbouring blocks of the image compress
+/// `blocks` and `content` (one 4 KiB block per entry of `blocks`, in that order)
+/// rearranged in ascending block order: neighbouring blocks of the image compress
 /// better next to each other than in the merge order (`medium` pair: 9.8 KB of frames
-/// in merge order).
-fn by_block(blocks: &[u64], content: &[u8]) -> Vec<u8> {
+/// in merge order), and frames cut from a sorted group hold blocks whose windows
+/// overlap.
+fn by_block(blocks: &[u64], content: &[u8]) -> (Vec<u64>, Vec<u8>) {
     let mut idx: Vec<usize> = (0..blocks.len()).collect();
     idx.sort_unstable_by_key(|&i| blocks[i]);
     let mut out = Vec::with_capacity(content.len());
-    for i in idx {
+    for &i in &idx {
         out.extend_from_slice(&content[i * BS..(i + 1) * BS]);
     }
-    out
+    (idx.iter().map(|&i| blocks[i]).collect(), out)
 }
 
-/// A frame ready to compress: its blocks, its prefix and its content.
+/// A frame ready to compress: its blocks (ascending), its prefix and its content.
 struct Frame {
     index: usize,
-    blocks: Vec<u64>,
     prefix: Vec<u8>,
     content: Vec<u8>,
 }
 
-fn compress(frame: &Frame, level: i32) -> std::io::Result<Vec<u8>> {
-    let mut c = zstd::bulk::Compressor::new(level)?;
-    c.set_parameter(zstd::zstd_safe::CParameter::WindowLog(WINDOW_LOG))?;
+/// The blocks of a group as the writer read them, and their content.
+#[derive(Default)]
+struct Group {
+    blocks: Vec<u64>,
+    content: Vec<u8>,
+}
+
+/// Where the recorder is: the group being read, the groups and frames sent.
+#[derive(Default)]
+struct RecordState {
+    group: Group,
+    groups_sent: usize,
+    frames_sent: usize,
+}
+
+fn compress(frame: &Frame, search: Search) -> std::io::Result<Vec<u8>> {
+    use zstd::zstd_safe::{CParameter, Strategy};
+    let mut c = match search {
+        Search::Level(level) => zstd::bulk::Compressor::new(level)?,
+        Search::Fast => {
+            let mut c = zstd::bulk::Compressor::new(17)?;
+            c.set_parameter(CParameter::Strategy(Strategy::ZSTD_btultra))?;
+            c.set_parameter(CParameter::SearchLog(2))?;
+            c.set_parameter(CParameter::MinMatch(3))?;
+            c
+        }
+    };
+    c.set_parameter(CParameter::WindowLog(WINDOW_LOG))?;
     c.context_mut()
         .ref_prefix(&frame.prefix)
         .map_err(|e| std::io::Error::other(zstd::zstd_safe::get_error_name(e)))?;
@@ -209,20 +345,38 @@ pub struct Recorder<'a> {
     plan: &'a Plan,
     /// [`data_order`]: what the writer must read.
     order: Vec<u64>,
-    current: Mutex<(Option<Frame>, usize)>,
+    frame_blocks: usize,
+    state: Mutex<RecordState>,
     frames: mpsc::SyncSender<Frame>,
     out: PathBuf,
 }
 
 impl Recorder<'_> {
-    fn send(&self, mut frame: Frame) -> delta::Result<()> {
-        frame.prefix = frame_prefix(self.plan, self.old, &frame.blocks, self.new.name())?;
-        frame.content = by_block(&frame.blocks, &frame.content);
-        self.frames.send(frame).map_err(|_| DeltaError::Output {
-            path: self.out.clone(),
-            op: "compress the data stream for",
-            source: std::io::Error::other("a compression thread stopped"),
-        })
+    /// Sorts the group read so far and sends it as frames to the compressing threads.
+    fn send_group(&self, st: &mut RecordState) -> delta::Result<()> {
+        let group = std::mem::take(&mut st.group);
+        if group.blocks.is_empty() {
+            return Ok(());
+        }
+        let (blocks, content) = by_block(&group.blocks, &group.content);
+        for (bs, cs) in blocks
+            .chunks(self.frame_blocks)
+            .zip(content.chunks(self.frame_blocks * BS))
+        {
+            let frame = Frame {
+                index: st.frames_sent,
+                prefix: frame_prefix(self.plan, self.old, bs, self.new.name())?,
+                content: cs.to_vec(),
+            };
+            st.frames_sent += 1;
+            self.frames.send(frame).map_err(|_| DeltaError::Output {
+                path: self.out.clone(),
+                op: "compress the data stream for",
+                source: std::io::Error::other("a compression thread stopped"),
+            })?;
+        }
+        st.groups_sent += 1;
+        Ok(())
     }
 }
 
@@ -233,14 +387,13 @@ impl BlockImage for Recorder<'_> {
 
     fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> delta::Result<()> {
         self.new.read_exact_at(buf, offset)?;
-        let mut guard = self.current.lock().map_err(|_| DeltaError::Verify {
+        let mut st = self.state.lock().map_err(|_| DeltaError::Verify {
             path: self.out.clone(),
             msg: "a recording thread panicked".into(),
         })?;
         for (i, block) in buf.chunks(BS).enumerate() {
             let b = offset / BS as u64 + i as u64;
-            let (current, next_index) = &mut *guard;
-            let at = *next_index * FRAME_BLOCKS + current.as_ref().map_or(0, |f| f.blocks.len());
+            let at = st.groups_sent * GROUP_BLOCKS + st.group.blocks.len();
             if self.order.get(at) != Some(&b) {
                 return Err(DeltaError::Verify {
                     path: self.out.clone(),
@@ -251,19 +404,10 @@ impl BlockImage for Recorder<'_> {
                     ),
                 });
             }
-            let frame = current.get_or_insert_with(|| Frame {
-                index: *next_index,
-                blocks: Vec::with_capacity(FRAME_BLOCKS),
-                prefix: Vec::new(),
-                content: Vec::with_capacity(FRAME_BLOCKS * BS),
-            });
-            frame.blocks.push(b);
-            frame.content.extend_from_slice(block);
-            if frame.blocks.len() == FRAME_BLOCKS
-                && let Some(full) = current.take()
-            {
-                *next_index += 1;
-                self.send(full)?;
+            st.group.blocks.push(b);
+            st.group.content.extend_from_slice(block);
+            if st.group.blocks.len() == GROUP_BLOCKS {
+                self.send_group(&mut st)?;
             }
         }
         Ok(())
@@ -277,8 +421,8 @@ impl BlockImage for Recorder<'_> {
 /// How [`record`] compresses.
 #[derive(Clone, Copy, Debug)]
 pub struct StreamOptions {
-    /// zstd level of the frames.
-    pub level: i32,
+    /// How the frames are cut and searched.
+    pub frames: FrameParams,
     /// The COW writer's op stream is in merge order (see [`data_order`]).
     pub merge_ordered: bool,
     /// Threads compressing frames (at least one).
@@ -299,10 +443,11 @@ pub fn record<T>(
     write: impl FnOnce(&Recorder<'_>) -> delta::Result<T>,
 ) -> delta::Result<(T, u64)> {
     let StreamOptions {
-        level,
+        frames,
         threads,
         merge_ordered,
     } = opts;
+    let frame_blocks = frames.blocks.clamp(1, MAX_FRAME_BLOCKS) as usize;
     let out_err = |source: std::io::Error| DeltaError::Output {
         path: out_name.to_path_buf(),
         op: "write the data stream to",
@@ -322,7 +467,7 @@ pub fn record<T>(
                     loop {
                         let next = frame_rx.lock().ok().and_then(|rx| rx.recv().ok());
                         let Some(frame) = next else { break };
-                        let r = compress(&frame, level).map(|z| (frame.index, z));
+                        let r = compress(&frame, frames.search).map(|z| (frame.index, z));
                         // Frames are taken until the recorder stops sending, even after
                         // a failure, so that it never waits on a full channel.
                         let _ = done_tx.send(r);
@@ -354,33 +499,19 @@ pub fn record<T>(
             old,
             plan,
             order,
-            current: Mutex::new((None, 0)),
+            frame_blocks,
+            state: Mutex::new(RecordState::default()),
             frames: frame_tx,
             out: out_name.to_path_buf(),
         };
         let result = write(&rec).and_then(|t| {
-            let last = rec
-                .current
-                .lock()
-                .map_err(|_| DeltaError::Verify {
-                    path: out_name.to_path_buf(),
-                    msg: "a recording thread panicked".into(),
-                })?
-                .0
-                .take();
-            let read = rec.current.lock().map_or(0, |g| g.1 * FRAME_BLOCKS);
-            if let Some(f) = last {
-                let n = read + f.blocks.len();
-                rec.send(f)?;
-                if n != expected {
-                    return Err(DeltaError::Verify {
-                        path: out_name.to_path_buf(),
-                        msg: format!(
-                            "the COW writer read {n} data blocks, the plan has {expected}"
-                        ),
-                    });
-                }
-            } else if read != expected {
+            let mut st = rec.state.lock().map_err(|_| DeltaError::Verify {
+                path: out_name.to_path_buf(),
+                msg: "a recording thread panicked".into(),
+            })?;
+            let read = st.groups_sent * GROUP_BLOCKS + st.group.blocks.len();
+            rec.send_group(&mut st)?;
+            if read != expected {
                 return Err(DeltaError::Verify {
                     path: out_name.to_path_buf(),
                     msg: format!("the COW writer read {read} data blocks, the plan has {expected}"),
@@ -409,38 +540,52 @@ pub struct Replayer<'a, R: Read> {
     /// The bundle, for errors.
     name: PathBuf,
     size: u64,
+    frame_blocks: usize,
 }
 
 struct ReplayState<R> {
     input: R,
     /// Offset in the bundle of the next byte of `input`.
     pos: u64,
-    /// [`data_order`], and how many of its blocks the frames decoded so far hold.
+    /// [`data_order`], and how many of its blocks the groups decoded so far hold.
     order: Vec<u64>,
     decoded: usize,
-    /// The current frame's blocks in the order the writer reads them, and ascending
+    /// The current group's blocks in the order the writer reads them, and ascending
     /// (the order of `content`).
     blocks: Vec<u64>,
     sorted: Vec<u64>,
     content: Vec<u8>,
-    /// Next block of the current frame to hand out.
+    /// Next block of the current group to hand out.
     next: usize,
 }
 
 impl<'a, R: Read + Send> Replayer<'a, R> {
-    /// Replays the frames read from `input` (the data section of a payload, starting at
-    /// offset `pos` of the bundle `name`) for an image of `size` bytes; `merge_ordered`
-    /// as for [`data_order`].
+    /// Replays the frames of `frame_blocks` blocks read from `input` (the data section
+    /// of a payload, starting at offset `pos` of the bundle `name`) for an image of
+    /// `size` bytes; `merge_ordered` as for [`data_order`]. An error for frames of 0 or
+    /// more than [`MAX_FRAME_BLOCKS`] blocks.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         old: &'a dyn BlockImage,
         plan: &'a Plan,
         merge_ordered: bool,
+        frame_blocks: u32,
         input: R,
         pos: u64,
         name: &Path,
         size: u64,
     ) -> std::io::Result<Replayer<'a, R>> {
+        if !(1..=MAX_FRAME_BLOCKS).contains(&frame_blocks) {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!(
+                    "{}: frames of {frame_blocks} blocks (1 to {MAX_FRAME_BLOCKS} allowed)",
+                    name.display()
+                ),
+            ));
+        }
         Ok(Replayer {
+            frame_blocks: frame_blocks as usize,
             old,
             plan,
             state: Mutex::new(ReplayState {
@@ -485,8 +630,41 @@ impl<'a, R: Read + Send> Replayer<'a, R> {
         }
     }
 
-    /// Reads and decodes the next frame into `st`.
-    fn next_frame(&self, st: &mut ReplayState<R>) -> delta::Result<()> {
+    /// Reads and decodes the next group's frames into `st`.
+    fn next_group(&self, st: &mut ReplayState<R>) -> delta::Result<()> {
+        let n = (st.order.len() - st.decoded).min(GROUP_BLOCKS);
+        if n == 0 {
+            return Err(self.fail(
+                st.pos,
+                "the COW writer reads more data blocks than the plan has".into(),
+            ));
+        }
+        let blocks = st.order[st.decoded..st.decoded + n].to_vec();
+        let mut sorted = blocks.clone();
+        sorted.sort_unstable();
+        st.content.resize(n * BS, 0);
+        let mut content = std::mem::take(&mut st.content);
+        for (fb, out) in sorted
+            .chunks(self.frame_blocks)
+            .zip(content.chunks_mut(self.frame_blocks * BS))
+        {
+            self.decode_frame(st, fb, out)?;
+        }
+        st.content = content;
+        st.blocks = blocks;
+        st.sorted = sorted;
+        st.next = 0;
+        st.decoded += n;
+        Ok(())
+    }
+
+    /// Reads the next frame, which holds `blocks`, and decodes it into `out`.
+    fn decode_frame(
+        &self,
+        st: &mut ReplayState<R>,
+        blocks: &[u64],
+        out: &mut [u8],
+    ) -> delta::Result<()> {
         let at = st.pos;
         let mut word = [0u8; 4];
         let read = |st: &mut ReplayState<R>, buf: &mut [u8]| -> delta::Result<()> {
@@ -496,43 +674,32 @@ impl<'a, R: Read + Send> Replayer<'a, R> {
             st.pos += buf.len() as u64;
             Ok(())
         };
-        let n = (st.order.len() - st.decoded).min(FRAME_BLOCKS);
-        if n == 0 {
-            return Err(self.fail(
-                at,
-                "the COW writer reads more data blocks than the plan has".into(),
-            ));
-        }
-        let blocks = st.order[st.decoded..st.decoded + n].to_vec();
         read(st, &mut word)?;
         let zlen = u32::from_le_bytes(word) as usize;
-        if zlen > 2 * FRAME_BLOCKS * BS {
+        // zstd's bound for a frame of at most 4 MiB is a few hundred bytes over it.
+        if zlen > 2 * out.len() + 1024 {
             return Err(self.fail(at, format!("frame of {zlen} bytes is too large")));
         }
         let mut z = vec![0u8; zlen];
         let zat = st.pos;
         read(st, &mut z)?;
-        let prefix = frame_prefix(self.plan, self.old, &blocks, &self.name)?;
+        let prefix = frame_prefix(self.plan, self.old, blocks, &self.name)?;
         // One context per frame: it borrows the frame's prefix.
         let mut dctx = zstd::zstd_safe::DCtx::create();
         dctx.ref_prefix(&prefix)
             .map_err(|e| self.fail(zat, format!("zstd: {}", zstd::zstd_safe::get_error_name(e))))?;
-        st.content.resize(n * BS, 0);
-        let got = dctx.decompress(&mut st.content[..], &z).map_err(|e| {
+        let got = dctx.decompress(&mut *out, &z).map_err(|e| {
             self.fail(
                 zat,
                 format!("zstd frame: {}", zstd::zstd_safe::get_error_name(e)),
             )
         })?;
-        if got != n * BS {
-            return Err(self.fail(zat, format!("frame decodes to {got} bytes, not {}", n * BS)));
+        if got != out.len() {
+            return Err(self.fail(
+                zat,
+                format!("frame decodes to {got} bytes, not {}", out.len()),
+            ));
         }
-        let mut sorted = blocks.clone();
-        sorted.sort_unstable();
-        st.blocks = blocks;
-        st.sorted = sorted;
-        st.next = 0;
-        st.decoded += n;
         Ok(())
     }
 }
@@ -550,7 +717,7 @@ impl<R: Read + Send> BlockImage for Replayer<'_, R> {
         for (i, out) in buf.chunks_mut(BS).enumerate() {
             let b = offset / BS as u64 + i as u64;
             if st.next == st.blocks.len() {
-                self.next_frame(&mut st)?;
+                self.next_group(&mut st)?;
             }
             if st.blocks[st.next] != b {
                 return Err(self.fail(
@@ -570,5 +737,85 @@ impl<R: Read + Send> BlockImage for Replayer<'_, R> {
 
     fn name(&self) -> &Path {
         &self.name
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use delta::{MemImage, NoProgress, PlanOptions};
+
+    /// Bytes that do not repeat (so that a match is where the test put it).
+    fn noise(n: usize, mut seed: u64) -> Vec<u8> {
+        (0..n)
+            .map(|_| {
+                seed = seed
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                (seed >> 56) as u8
+            })
+            .collect()
+    }
+
+    fn choose(old: Vec<u8>, new: Vec<u8>) -> FrameParams {
+        let (o, n) = (MemImage::new("old", old), MemImage::new("new", new));
+        let plan = delta::plan(&o, &n, &PlanOptions::default(), &NoProgress).unwrap();
+        FrameParams::choose(None, &plan, &o, &n).unwrap()
+    }
+
+    /// `old` with blocks `from..to` changed: each 1 KiB of block `i` comes from block
+    /// `i + 40k` (k = 0..4, wrapping inside the range): its sources lie in windows of
+    /// blocks that other frames of 64 hold when `rearranged`; else each block keeps
+    /// its own bytes with a few changed.
+    fn changed(old: &[u8], from: usize, to: usize, rearranged: bool) -> Vec<u8> {
+        let mut new = old.to_vec();
+        let span = to - from;
+        for i in from..to {
+            for k in 0..4 {
+                let src = if rearranged {
+                    from + (i - from + 40 * k) % span
+                } else {
+                    i
+                };
+                let (d, s) = (i * BS + k * 1024, src * BS + k * 1024);
+                new[d..d + 1024].copy_from_slice(&old[s..s + 1024]);
+            }
+            new[i * BS + 7] ^= 0x55;
+            new[i * BS + 3000] ^= 0x55;
+        }
+        new
+    }
+
+    #[test]
+    fn frames_follow_the_update() {
+        let old = noise(1200 * BS, 7);
+        let fast = FrameParams {
+            blocks: FRAME_BLOCKS,
+            search: Search::Fast,
+        };
+        let whole = FrameParams {
+            blocks: MAX_FRAME_BLOCKS,
+            search: Search::Level(19),
+        };
+        // Blocks that draw on each other's windows: one frame, searched deep.
+        assert_eq!(choose(old.clone(), changed(&old, 100, 400, true)), whole);
+        // Blocks that keep to their own windows: frames of 64.
+        assert_eq!(choose(old.clone(), changed(&old, 100, 400, false)), fast);
+        // More than a group: frames of 64 without a probe; a frame's worth: one frame.
+        assert_eq!(choose(old.clone(), changed(&old, 0, 1100, false)), fast);
+        assert_eq!(choose(old.clone(), changed(&old, 100, 140, true)), whole);
+        // An explicit level: whole groups at that level.
+        let (o, n) = (
+            MemImage::new("old", old.clone()),
+            MemImage::new("new", changed(&old, 100, 400, false)),
+        );
+        let plan = delta::plan(&o, &n, &PlanOptions::default(), &NoProgress).unwrap();
+        assert_eq!(
+            FrameParams::choose(Some(7), &plan, &o, &n).unwrap(),
+            FrameParams {
+                blocks: MAX_FRAME_BLOCKS,
+                search: Search::Level(7),
+            }
+        );
     }
 }

@@ -20,9 +20,10 @@ use crate::{BundleError, Result, io_err};
 
 /// The first 8 bytes of every bundle.
 pub const MAGIC: [u8; 8] = *b"VABCBNDL";
-/// The container version this build writes and reads: 2, whose plans leave out the
-/// merge sequence the reader computes (version 1, before 2026-11-28, carried it).
-pub const FORMAT_VERSION: u32 = 2;
+/// The container version this build writes and reads: 3, whose manifest says how
+/// many blocks each data frame holds (version 2 had frames of 1024; version 1, before
+/// 2026-11-28, also carried the plan's merge sequence).
+pub const FORMAT_VERSION: u32 = 3;
 /// Bytes of the fixed header.
 pub const HEADER_SIZE: usize = size_of::<Header>();
 /// Largest manifest a reader accepts, stored and decoded: bounds what a damaged length
@@ -139,19 +140,23 @@ pub struct PayloadInfo {
     pub plan_length: u64,
     /// Bytes the data stream decodes to (4 KiB per REPLACE and XOR block).
     pub data_bytes: u64,
+    /// Blocks per frame of the data stream (the last frame may hold fewer); at most
+    /// [`crate::data::MAX_FRAME_BLOCKS`].
+    pub frame_blocks: u32,
 }
 
 impl PayloadInfo {
     /// A payload of a plan section of `plan_length` bytes and `data_bytes` of decoded
-    /// data, not yet placed: [`BundleWriter::add_partition`] fills in where it is and
-    /// what it hashes to.
-    pub fn unplaced(plan_length: u64, data_bytes: u64) -> PayloadInfo {
+    /// data in frames of `frame_blocks`, not yet placed: [`BundleWriter::add_partition`]
+    /// fills in where it is and what it hashes to.
+    pub fn unplaced(plan_length: u64, data_bytes: u64, frame_blocks: u32) -> PayloadInfo {
         PayloadInfo {
             offset: 0,
             length: 0,
             sha256: String::new(),
             plan_length,
             data_bytes,
+            frame_blocks,
         }
     }
 }
@@ -458,6 +463,17 @@ impl<R: Read> BundleReader<R> {
                     format!(
                         "partition {:?}: payload at {} (+{} bytes) does not follow the one before it",
                         p.name, p.payload.offset, p.payload.length
+                    ),
+                ));
+            }
+            let fb = p.payload.frame_blocks;
+            if !(1..=crate::data::MAX_FRAME_BLOCKS).contains(&fb) {
+                return Err(fail(
+                    HEADER_SIZE as u64,
+                    format!(
+                        "partition {:?}: data frames of {fb} blocks (1 to {} allowed)",
+                        p.name,
+                        crate::data::MAX_FRAME_BLOCKS
                     ),
                 ));
             }
@@ -771,6 +787,70 @@ fn read_full(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An unsigned bundle of one partition whose payload (`payload` bytes) is in
+    /// frames of `frame_blocks`.
+    fn one_partition(dir: &Path, frame_blocks: u32, payload: &[u8]) -> Vec<u8> {
+        let out = dir.join("b.vabc");
+        let mut w = BundleWriter::new(&out).unwrap();
+        w.payload_file().write_all(payload).unwrap();
+        let id = manifest::ImageId {
+            size: 4096,
+            sha256: "0".repeat(64),
+            region_size: 4096,
+            regions: Vec::new(),
+        };
+        w.add_partition(Partition {
+            name: "system".into(),
+            image: manifest::Manifest {
+                schema_version: manifest::SCHEMA_VERSION,
+                base: id.clone(),
+                new: id,
+                cow_ops: 0,
+                merged_op_hashes: None,
+            },
+            cow: CowParams {
+                version: 3,
+                compression: "lz4".into(),
+                compression_factor: 65536,
+                block_order: false,
+                size: 0,
+                sha256: String::new(),
+            },
+            plan: PlanCounts::default(),
+            payload: PayloadInfo::unplaced(0, 0, frame_blocks),
+            verity: None,
+        })
+        .unwrap();
+        w.finish(None, "test").unwrap();
+        std::fs::read(&out).unwrap()
+    }
+
+    #[test]
+    fn frames_of_zero_or_too_many_blocks_are_refused_with_the_manifest() {
+        let dir = tempfile::tempdir().unwrap();
+        for (fb, ok) in [
+            (0, false),
+            (1, true),
+            (1024, true),
+            (1025, false),
+            (u32::MAX, false),
+        ] {
+            let bytes = one_partition(dir.path(), fb, b"x");
+            let r = BundleReader::open(&bytes[..], Path::new("b.vabc"), Trust::Unchecked);
+            match r {
+                Ok(_) => assert!(ok, "frames of {fb} accepted"),
+                Err(e) => {
+                    assert!(!ok, "frames of {fb}: {e}");
+                    let e = e.to_string();
+                    assert!(
+                        e.contains("b.vabc") && e.contains(&format!("frames of {fb} blocks")),
+                        "{e}"
+                    );
+                }
+            }
+        }
+    }
 
     #[test]
     fn partition_names_are_file_name_safe() {

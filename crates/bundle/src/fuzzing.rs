@@ -7,10 +7,14 @@ use std::path::Path;
 use delta::write::{CowOptions, write_cow};
 use delta::{BlockImage, MemImage, NoProgress, PlanOptions};
 
-use crate::data::{Replayer, StreamOptions, record};
+use crate::data::{FrameParams, Replayer, Search, StreamOptions, record};
 use crate::format::Trust;
 use crate::sign::SecretKey;
 use crate::{BundleReader, BundleWriter, CowParams, Partition, PayloadInfo, PlanCounts, plan_wire};
+
+/// Blocks per frame of [`sample`]'s bundles: small, so that its images of a few
+/// hundred blocks make several frames and a short last one.
+const SAMPLE_FRAME_BLOCKS: u32 = 16;
 
 /// Largest image the fuzz body replays (bigger manifests are cut to it).
 const MAX_IMAGE: u64 = 4 << 20;
@@ -39,8 +43,16 @@ pub fn exercise_read(data: &[u8]) {
         };
         let pos = stream.position();
         let merge_ordered = part.cow.version >= 3 && !part.cow.block_order;
-        let Ok(rep) = Replayer::new(&old, &plan, merge_ordered, &mut stream, pos, path, new_size)
-        else {
+        let Ok(rep) = Replayer::new(
+            &old,
+            &plan,
+            merge_ordered,
+            part.payload.frame_blocks,
+            &mut stream,
+            pos,
+            path,
+            new_size,
+        ) else {
             return;
         };
         let mut buf = [0u8; delta::BLOCK_SIZE];
@@ -123,7 +135,10 @@ pub fn sample(
         block_order: false,
     };
     let sopts = StreamOptions {
-        level: 3,
+        frames: FrameParams {
+            blocks: SAMPLE_FRAME_BLOCKS,
+            search: Search::Level(3),
+        },
         threads: 2,
         merge_ordered: true,
     };
@@ -159,7 +174,11 @@ pub fn sample(
             sha256: hex::encode(sha2::Sha256::digest(&cow)),
         },
         plan: PlanCounts::default(),
-        payload: PayloadInfo::unplaced(8 + plan_bytes.len() as u64, data_bytes),
+        payload: PayloadInfo::unplaced(
+            8 + plan_bytes.len() as u64,
+            data_bytes,
+            SAMPLE_FRAME_BLOCKS,
+        ),
         verity: None,
     })?;
     w.finish(key, "vabc fuzz sample")?;

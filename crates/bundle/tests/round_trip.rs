@@ -24,6 +24,7 @@ fn replay(bytes: &[u8], old: &[u8], dir: &Path) -> Vec<u8> {
         &o,
         &plan,
         true,
+        part.payload.frame_blocks,
         &mut stream,
         pos,
         Path::new("b"),

@@ -355,12 +355,12 @@ fn wrong_base_truncation_and_unknown_versions_are_clear_errors() {
         assert!(entries(&out).is_empty());
     }
     let mut b = good.clone();
-    b[8] = 3;
+    b[8] = 4;
     std::fs::write(&bad, &b).unwrap();
     let o = run_vabc(&["bundle", "info", s(&bad)]);
     let e = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1));
-    assert!(e.contains("bundle format version 3"), "{e}");
+    assert!(e.contains("bundle format version 4"), "{e}");
 }
 
 #[test]

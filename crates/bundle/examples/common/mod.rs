@@ -40,14 +40,19 @@ pub fn for_each_frame(
             })
             .collect();
         wins.sort();
+        let gap: u64 = std::env::var("GAP")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0);
         let mut merged: Vec<(u64, u64)> = Vec::new();
         for (a, b) in wins {
             match merged.last_mut() {
-                Some(l) if a <= l.1 => l.1 = l.1.max(b),
+                Some(l) if a <= l.1 + gap => l.1 = l.1.max(b),
                 _ => merged.push((a, b)),
             }
         }
         let mut prefix = Vec::new();
+        let merged_n = merged.len();
         for (a, b) in merged {
             let at = prefix.len();
             prefix.resize(at + (b - a) as usize, 0);
@@ -56,6 +61,14 @@ pub fn for_each_frame(
         let mut content = vec![0u8; chunk.len() * 4096];
         for (i, p) in chunk.iter().enumerate() {
             new.read_exact_at(&mut content[i * 4096..(i + 1) * 4096], p.dst * bs)?;
+        }
+        if std::env::var("SHOW").is_ok() {
+            println!(
+                "  prefix {} KiB in {} windows, content {} KiB",
+                prefix.len() >> 10,
+                merged_n,
+                content.len() >> 10
+            );
         }
         each(prefix, content)?;
     }

@@ -86,10 +86,13 @@ struct CreateArgs {
     /// Store XORs in source runs shorter than this as REPLACE (see `vabc diff`).
     #[arg(long, default_value_t = 0, value_name = "BLOCKS")]
     min_xor_run: u64,
-    /// zstd level of the payloads' data frames (1-22): 19 makes the smallest bundle;
-    /// 12 takes a tenth of the time for ~13% more bytes (bench/RESULTS.md).
-    #[arg(long, default_value_t = 19, value_parser = clap::value_parser!(i32).range(1..=22))]
-    level: i32,
+    /// zstd level of the payloads' data frames (1-22), in frames of 1024 blocks: 19
+    /// makes the smallest bundle of a large update, at about twice xdelta3 -9's time
+    /// (bench/RESULTS.md). By default frames of 64 blocks with a short optimal-parse
+    /// search, or one frame at level 19 for an update of at most 1024 changed blocks
+    /// that compresses much better so (docs/08-bundle.md).
+    #[arg(long, value_parser = clap::value_parser!(i32).range(1..=22))]
+    level: Option<i32>,
     /// Threads (0: one per CPU).
     #[arg(long, default_value_t = 0)]
     threads: usize,
@@ -259,6 +262,8 @@ struct PartReport {
     payload_bytes: u64,
     plan_bytes: u64,
     data_bytes: u64,
+    /// Blocks per data frame.
+    frame_blocks: u32,
     cow_size: u64,
     ops: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -273,6 +278,7 @@ fn part_report(p: &Partition) -> PartReport {
         payload_bytes: p.payload.length,
         plan_bytes: p.payload.plan_length,
         data_bytes: p.payload.data_bytes,
+        frame_blocks: p.payload.frame_blocks,
         cow_size: p.cow.size,
         ops: p.image.cow_ops,
         verity_root_hash: p.verity.as_ref().map(|v| v.root_hash.clone()),
@@ -373,13 +379,14 @@ fn create(a: CreateArgs) -> Result<ExitCode> {
         );
         for p in &report.partitions {
             println!(
-                "  {}: {} -> {} bytes, payload {} bytes (plan {}, data {} decoded), device COW {} bytes, {} ops",
+                "  {}: {} -> {} bytes, payload {} bytes (plan {}, data {} decoded in frames of {} blocks), device COW {} bytes, {} ops",
                 p.name,
                 p.base_size,
                 p.new_size,
                 p.payload_bytes,
                 p.plan_bytes,
                 p.data_bytes,
+                p.frame_blocks,
                 p.cow_size,
                 p.ops
             );
@@ -407,7 +414,7 @@ fn create_partition(
         ..PlanOptions::for_codec(copts.compression.codec)
     };
     let plan = delta::plan(&old, &new, &popts, &bar)?;
-    let plan_bytes = bundle::plan_wire::encode(&plan, a.level)
+    let plan_bytes = bundle::plan_wire::encode(&plan, a.level.unwrap_or(19))
         .with_context(|| format!("encode the plan of {name}"))?;
     let out = writer.payload_file();
     out.write_all(&(plan_bytes.len() as u64).to_le_bytes())
@@ -420,8 +427,9 @@ fn create_partition(
     // The COW the device will write, written here first: its hash goes into the
     // manifest, and its ops give the per-op hashes.
     let cow_path = work.join(format!("{name}.cow"));
+    let frames = bundle::data::FrameParams::choose(a.level, &plan, &old, &new)?;
     let sopts = bundle::data::StreamOptions {
-        level: a.level,
+        frames,
         threads,
         merge_ordered: copts.version >= 3 && !copts.block_order,
     };
@@ -492,7 +500,7 @@ fn create_partition(
             zero: c.zero,
             replace: c.replace,
         },
-        payload: PayloadInfo::unplaced(8 + plan_bytes.len() as u64, data_bytes),
+        payload: PayloadInfo::unplaced(8 + plan_bytes.len() as u64, data_bytes, frames.blocks),
         verity,
     })
 }
@@ -973,6 +981,7 @@ pub(crate) fn install_into(
             &old,
             &plan,
             copts.version >= 3 && !copts.block_order,
+            part.payload.frame_blocks,
             &mut stream,
             pos,
             bundle_path,
