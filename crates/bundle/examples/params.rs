@@ -1,8 +1,9 @@
 //! Experiment: zstd parameter sets on a sample of the bundle's frames (every STEP-th
 //! frame of 1024 blocks against 16 KiB windows of the old image), bytes and seconds
 //! for each. Usage: params OLD NEW (env STEP, default 8; SETS; PER_FRAME; MARGIN, the
-//! windows' widening in bytes; FB, blocks per frame; GROUP_PREFIX; HIST: see
-//! `common` and below; CDICT, ATTACH: below).
+//! windows' widening in bytes; FB, blocks per frame; GROUP_PREFIX; GAP, windows this
+//! close merged; SHOW, each frame's prefix and content sizes; HIST: see `common` and
+//! below; CDICT, ATTACH: below).
 mod common;
 
 use delta::{ImageFile, NoProgress, PlanOptions};

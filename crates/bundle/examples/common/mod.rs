@@ -1,7 +1,8 @@
 //! Shared by the experiments: the bundle's frames as `data::record` cuts them (the XOR
 //! and REPLACE blocks in plan order, 1024 a frame, or FB), each with the old image's
 //! windows around its blocks' contexts (`data::context_offset`) widened by `margin`
-//! bytes.
+//! bytes (env GAP: windows at most that many bytes apart merged, the gap included;
+//! SHOW: print each frame's prefix and content sizes).
 use delta::{BlockImage, BlockOp, ImageFile, Plan};
 
 /// Calls `each` with (prefix, content) of every `step`-th frame, one at a time.
