@@ -259,9 +259,10 @@ fn frame_prefix(
 
 /// The blocks the COW writer reads, in the order it reads them: the XOR and REPLACE
 /// blocks of its op stream, which is the merge order (`merge_ordered`: v3 without
-/// `--block-order`) or ascending blocks. Frames cut this sequence every
-/// [`FrameParams::blocks`]; both sides compute it from the plan, and both check that the
-/// writer reads exactly it.
+/// `--block-order`) or ascending blocks. Groups cut this sequence every
+/// [`GROUP_BLOCKS`], and each sorted group is cut into frames of
+/// [`FrameParams::blocks`]; both sides compute it from the plan, and both check that
+/// the writer reads exactly it.
 pub fn data_order(plan: &Plan, merge_ordered: bool) -> Vec<u64> {
     if merge_ordered {
         delta::write::merge_ops(plan)
@@ -293,7 +294,8 @@ fn by_block(blocks: &[u64], content: &[u8]) -> (Vec<u64>, Vec<u8>) {
     (idx.iter().map(|&i| blocks[i]).collect(), out)
 }
 
-/// A frame ready to compress: its blocks (ascending), its prefix and its content.
+/// A frame ready to compress: where it goes in the stream, its prefix and its content
+/// (its blocks ascending).
 struct Frame {
     index: usize,
     prefix: Vec<u8>,
