@@ -22,7 +22,7 @@
 //! --long=31 --patch-from`: 46 KB); on `medium` the contexts alone left 76 KB, and
 //! windows of 16 KiB around them 8.6 KB (xdelta3: 10.8 KB), since a changed file's
 //! blocks sit a few KiB from where their op's source says. Frames are compressed on
-//! several threads and decoded one at a time: a decoder holds one group (4 MiB) and one
+//! several threads and decoded one at a time: a decoder holds one group (16 MiB) and one
 //! frame's prefix (at most 36 MiB).
 //!
 //! A frame is stored as the `u32` length of its zstd frame, then the zstd frame. Which
@@ -41,10 +41,13 @@ use delta::{BlockImage, BlockOp, DeltaError, Plan};
 
 /// Blocks of a *group*: the data blocks in the writer's read order are cut into groups
 /// of this many, each sorted ascending and cut into frames. A decoder holds one group
-/// (4 MiB) at once.
-pub const GROUP_BLOCKS: usize = 1024;
-/// Most blocks a frame holds (a reader refuses more): a group.
-pub const MAX_FRAME_BLOCKS: u32 = GROUP_BLOCKS as u32;
+/// (16 MiB) at once. Larger groups give frames of neighbouring blocks where the merge
+/// order scatters them: frames of 64 cut from groups of 1024 / 2048 / 4096 blocks
+/// made `small` EROFS 59.7 / 55.5 / 55.5 KB and `tiny` ext4 514 / 517 / 506 KB
+/// (`examples/params.rs`, `MERGE=1 GROUP=N`).
+pub const GROUP_BLOCKS: usize = 4096;
+/// Most blocks a frame holds (a reader refuses more): 4 MiB.
+pub const MAX_FRAME_BLOCKS: u32 = 1024;
 /// log2 of a frame's window: its prefix (at most 1024 × 36 KiB) and content (4 MiB).
 const WINDOW_LOG: u32 = 26;
 
@@ -76,13 +79,13 @@ pub enum Search {
 
 impl FrameParams {
     /// How to compress the data of `plan` (`new`'s XOR and REPLACE blocks against
-    /// `old`). `level`: frames of a whole group at that zstd level. Else frames of
+    /// `old`). `level`: frames of [`MAX_FRAME_BLOCKS`] at that zstd level. Else frames of
     /// [`FRAME_BLOCKS`] with the [`Search::Fast`] search: a small frame has a small
     /// prefix, so each position's search is short (`small` pair at level 19: 11.7 MB/s
     /// searched in frames of 64 blocks, 4.7 MB/s in one frame of 1024), and the frames
     /// share the CPUs; creation time then stays within `xdelta3 -9`'s on every corpus
     /// pair (`bench/RESULTS.md`, "The update bundle"). But an update whose data fits
-    /// one group is probed first, at zstd level 12 as one frame and as frames of 64:
+    /// one frame of [`MAX_FRAME_BLOCKS`] is probed first, at zstd level 12 as one frame and as frames of 64:
     /// if one frame takes at most 3/4 of the bytes, its blocks draw on each other's
     /// windows (the `medium` pairs: a rearranged file whose blocks take their bytes
     /// from old places 1.5 MB apart, 0.47-0.49 on ext4 and EROFS, where every other
@@ -110,7 +113,7 @@ impl FrameParams {
         if blocks.len() <= FRAME_BLOCKS as usize {
             return Ok(whole(Search::Level(19)));
         }
-        if blocks.len() > GROUP_BLOCKS {
+        if blocks.len() > MAX_FRAME_BLOCKS as usize {
             return Ok(split);
         }
         let mut content = vec![0u8; blocks.len() * BS];
@@ -136,7 +139,7 @@ impl FrameParams {
             Ok(total)
         };
         let (one, frames) = std::thread::scope(|scope| {
-            let one = scope.spawn(|| probe(GROUP_BLOCKS));
+            let one = scope.spawn(|| probe(MAX_FRAME_BLOCKS as usize));
             let frames = probe(FRAME_BLOCKS as usize);
             (one.join(), frames)
         });
@@ -803,7 +806,7 @@ mod tests {
         assert_eq!(choose(old.clone(), changed(&old, 100, 400, true)), whole);
         // Blocks that keep to their own windows: frames of 64.
         assert_eq!(choose(old.clone(), changed(&old, 100, 400, false)), fast);
-        // More than a group: frames of 64 without a probe; a frame's worth: one frame.
+        // More than a frame of 1024: frames of 64 without a probe; at most 64: one frame.
         assert_eq!(choose(old.clone(), changed(&old, 0, 1100, false)), fast);
         assert_eq!(choose(old.clone(), changed(&old, 100, 140, true)), whole);
         // An explicit level: whole groups at that level.

@@ -15,11 +15,27 @@ pub fn for_each_frame(
     mut each: impl FnMut(Vec<u8>, Vec<u8>) -> Result<(), Box<dyn std::error::Error>>,
 ) -> Result<(), Box<dyn std::error::Error>> {
     let bs = 4096u64;
-    let data: Vec<_> = plan
+    let mut data: Vec<_> = plan
         .ops
         .iter()
         .filter(|p| matches!(p.op, BlockOp::Xor { .. } | BlockOp::Replace))
         .collect();
+    // MERGE: groups cut from the merge order (as a v3 COW's writer reads), each sorted.
+    if std::env::var("MERGE").is_ok() {
+        let at = |b: u64| data.binary_search_by_key(&b, |p| p.dst).ok();
+        let mut merged: Vec<_> = bundle::data::data_order(plan, true)
+            .into_iter()
+            .filter_map(|b| at(b).map(|i| data[i]))
+            .collect();
+        let group: usize = std::env::var("GROUP")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(1024);
+        for g in merged.chunks_mut(group) {
+            g.sort_by_key(|p| p.dst);
+        }
+        data = merged;
+    }
     // Every `step`-th group of 1024 blocks, cut into frames of FB blocks (env; 1024).
     // With GROUP_PREFIX set, each frame's prefix has the windows of its whole group.
     let fb: usize = std::env::var("FB")
