@@ -85,8 +85,9 @@ impl FrameParams {
     /// searched in frames of 64 blocks, 4.7 MB/s in one frame of 1024), and the frames
     /// share the CPUs; creation time then stays within `xdelta3 -9`'s on every corpus
     /// pair (`bench/RESULTS.md`, "The update bundle"). But an update whose data fits
-    /// one frame of [`MAX_FRAME_BLOCKS`] is probed first, at zstd level 12 as one frame and as frames of 64:
-    /// if one frame takes at most 3/4 of the bytes, its blocks draw on each other's
+    /// one frame of [`MAX_FRAME_BLOCKS`] is probed first, at zstd level 12 as one frame
+    /// and as frames of 64 (reading its data once more, at most 4 MiB): if one frame
+    /// takes at most 3/4 of the bytes, its blocks draw on each other's
     /// windows (the `medium` pairs: a rearranged file whose blocks take their bytes
     /// from old places 1.5 MB apart, 0.47-0.49 on ext4 and EROFS, where every other
     /// pair is at 0.89-1.02), and it is one frame at level 19, the deepest search,
@@ -123,12 +124,8 @@ impl FrameParams {
         let probe = |n: usize| -> delta::Result<usize> {
             let mut total = 0;
             for (bs, cs) in blocks.chunks(n).zip(content.chunks(n * BS)) {
-                let frame = Frame {
-                    index: 0,
-                    prefix: frame_prefix(plan, old, bs, new.name())?,
-                    content: cs.to_vec(),
-                };
-                total += compress(&frame, Search::Level(PROBE_LEVEL))
+                let prefix = frame_prefix(plan, old, bs, new.name())?;
+                total += compress(&prefix, cs, Search::Level(PROBE_LEVEL))
                     .map_err(|source| DeltaError::Output {
                         path: new.name().to_path_buf(),
                         op: "compress a probe of",
@@ -282,19 +279,14 @@ pub fn data_order(plan: &Plan, merge_ordered: bool) -> Vec<u64> {
     }
 }
 
-/// `blocks` and `content` (one 4 KiB block per entry of `blocks`, in that order)
-/// rearranged in ascending block order: neighbouring blocks of the image compress
-/// better next to each other than in the merge order (`medium` pair: 9.8 KB of frames
-/// in merge order), and frames cut from a sorted group hold blocks whose windows
-/// overlap.
-fn by_block(blocks: &[u64], content: &[u8]) -> (Vec<u64>, Vec<u8>) {
+/// Positions of `blocks` in ascending block order: neighbouring blocks of the image
+/// compress better next to each other than in the merge order (`medium` pair: 9.8 KB
+/// of frames in merge order), and frames cut from a sorted group hold blocks whose
+/// windows overlap.
+fn ascending(blocks: &[u64]) -> Vec<usize> {
     let mut idx: Vec<usize> = (0..blocks.len()).collect();
     idx.sort_unstable_by_key(|&i| blocks[i]);
-    let mut out = Vec::with_capacity(content.len());
-    for &i in &idx {
-        out.extend_from_slice(&content[i * BS..(i + 1) * BS]);
-    }
-    (idx.iter().map(|&i| blocks[i]).collect(), out)
+    idx
 }
 
 /// A frame ready to compress: where it goes in the stream, its prefix and its content
@@ -320,7 +312,8 @@ struct RecordState {
     frames_sent: usize,
 }
 
-fn compress(frame: &Frame, search: Search) -> std::io::Result<Vec<u8>> {
+/// `content` as one zstd frame against `prefix`, after its `u32` length.
+fn compress(prefix: &[u8], content: &[u8], search: Search) -> std::io::Result<Vec<u8>> {
     use zstd::zstd_safe::{CParameter, Strategy};
     let mut c = match search {
         Search::Level(level) => zstd::bulk::Compressor::new(level)?,
@@ -334,9 +327,9 @@ fn compress(frame: &Frame, search: Search) -> std::io::Result<Vec<u8>> {
     };
     c.set_parameter(CParameter::WindowLog(WINDOW_LOG))?;
     c.context_mut()
-        .ref_prefix(&frame.prefix)
+        .ref_prefix(prefix)
         .map_err(|e| std::io::Error::other(zstd::zstd_safe::get_error_name(e)))?;
-    let z = c.compress(&frame.content)?;
+    let z = c.compress(content)?;
     let mut out = Vec::with_capacity(4 + z.len());
     out.extend_from_slice(&(z.len() as u32).to_le_bytes());
     out.extend_from_slice(&z);
@@ -363,15 +356,16 @@ impl Recorder<'_> {
         if group.blocks.is_empty() {
             return Ok(());
         }
-        let (blocks, content) = by_block(&group.blocks, &group.content);
-        for (bs, cs) in blocks
-            .chunks(self.frame_blocks)
-            .zip(content.chunks(self.frame_blocks * BS))
-        {
+        for idx in ascending(&group.blocks).chunks(self.frame_blocks) {
+            let blocks: Vec<u64> = idx.iter().map(|&i| group.blocks[i]).collect();
+            let mut content = Vec::with_capacity(idx.len() * BS);
+            for &i in idx {
+                content.extend_from_slice(&group.content[i * BS..(i + 1) * BS]);
+            }
             let frame = Frame {
                 index: st.frames_sent,
-                prefix: frame_prefix(self.plan, self.old, bs, self.new.name())?,
-                content: cs.to_vec(),
+                prefix: frame_prefix(self.plan, self.old, &blocks, self.new.name())?,
+                content,
             };
             st.frames_sent += 1;
             self.frames.send(frame).map_err(|_| DeltaError::Output {
@@ -452,7 +446,16 @@ pub fn record<T>(
         threads,
         merge_ordered,
     } = opts;
-    let frame_blocks = frames.blocks.clamp(1, MAX_FRAME_BLOCKS) as usize;
+    if !(1..=MAX_FRAME_BLOCKS).contains(&frames.blocks) {
+        return Err(DeltaError::Verify {
+            path: out_name.to_path_buf(),
+            msg: format!(
+                "frames of {} blocks asked for (1 to {MAX_FRAME_BLOCKS} allowed)",
+                frames.blocks
+            ),
+        });
+    }
+    let frame_blocks = frames.blocks as usize;
     let out_err = |source: std::io::Error| DeltaError::Output {
         path: out_name.to_path_buf(),
         op: "write the data stream to",
@@ -472,7 +475,8 @@ pub fn record<T>(
                     loop {
                         let next = frame_rx.lock().ok().and_then(|rx| rx.recv().ok());
                         let Some(frame) = next else { break };
-                        let r = compress(&frame, frames.search).map(|z| (frame.index, z));
+                        let r = compress(&frame.prefix, &frame.content, frames.search)
+                            .map(|z| (frame.index, z));
                         // Frames are taken until the recorder stops sending, even after
                         // a failure, so that it never waits on a full channel.
                         let _ = done_tx.send(r);
@@ -822,5 +826,31 @@ mod tests {
                 search: Search::Level(7),
             }
         );
+    }
+
+    #[test]
+    fn a_frame_size_out_of_range_is_refused_not_clamped() {
+        let old = noise(8 * BS, 3);
+        let new = changed(&old, 0, 4, false);
+        let (o, n) = (MemImage::new("old", old), MemImage::new("new", new));
+        let plan = delta::plan(&o, &n, &PlanOptions::default(), &NoProgress).unwrap();
+        for blocks in [0, MAX_FRAME_BLOCKS + 1] {
+            let opts = StreamOptions {
+                frames: FrameParams {
+                    blocks,
+                    search: Search::Level(3),
+                },
+                merge_ordered: true,
+                threads: 1,
+            };
+            let mut out = Vec::new();
+            let e = record(&n, &o, &plan, &mut out, Path::new("b.vabc"), opts, |_| {
+                Ok(())
+            })
+            .unwrap_err()
+            .to_string();
+            assert!(e.contains(&format!("frames of {blocks} blocks")), "{e}");
+            assert!(out.is_empty());
+        }
     }
 }
