@@ -104,15 +104,18 @@ V1=$(sha "$WORK/v1.img") V2=$(sha "$WORK/v2.img")
 
 # --- The bundles (signed, with dm-verity root hashes), the store, the data disk.
 D=$WORK/data
-mkdir -p "$D/bundles" "$D/keys"
+# The public key is the device's, not the data disk's: the guest's initramfs step
+# copies it from a share into /run/vabc-keys (the keyring a real initramfs carries).
+mkdir -p "$D/bundles" "$WORK/keys"
 openssl genpkey -algorithm ed25519 -out "$WORK/key.pem" 2>/dev/null
-openssl pkey -in "$WORK/key.pem" -pubout -out "$D/keys/pub.pem"
+openssl pkey -in "$WORK/key.pem" -pubout -out "$WORK/keys/pub.pem"
+export VABC_DEVICE_KEYS=$WORK/keys
 "$VABC" -q bundle create -p "system=$WORK/v1.img,$WORK/v2.img" -o "$D/bundles/good.vabc" \
-	--key "$WORK/key.pem" --verity >/dev/null
+	--key "$WORK/key.pem" --verity --release-version 2 >/dev/null
 # The bad update's device COW stores its blocks uncompressed, so that the scenario can
 # alter one that still decodes (only dm-verity can tell).
 "$VABC" -q bundle create -p "system=$WORK/v2.img,$WORK/v3.img" -o "$D/bundles/bad.vabc" \
-	--key "$WORK/key.pem" --verity --cow-compression none >/dev/null
+	--key "$WORK/key.pem" --verity --cow-compression none --release-version 3 >/dev/null
 "$VABC" -q update init --store "$D/vabc" >/dev/null
 DATA=$WORK/data.img
 mkfs.ext4 -q -F -b 4096 -L data -E root_owner=0:0 -d "$D" "$DATA" 160M
@@ -147,7 +150,7 @@ boot_once() {
 	# the kernel's live code patching (the cause of those panics under multi-threaded
 	# emulation).
 	"$HERE/run.sh" --smp 1 --timeout 600 --disk "$SYS,cache=directsync,throttling.bps-write=$((4 << 20))" \
-		--disk "$DATA,cache=directsync" --share "$(dirname "$VABC")" -- \
+		--disk "$DATA,cache=directsync" --share "$(dirname "$VABC")" --share "$WORK/keys" -- \
 		bash "$HERE/guest-device.sh" "$VABC" "$action" >"$LOG" 2>&1 &
 	local pid=$!
 	if [ -n "$marker" ]; then

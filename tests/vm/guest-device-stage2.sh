@@ -66,7 +66,7 @@ install-good | install-bad)
 		t0=$SECONDS
 		say "install-start ${ACTION#install-}"
 		"$V" update install --store $S "/data/bundles/${ACTION#install-}.vabc" -b system=/dev/vda \
-			--key /data/keys/pub.pem --max-boot-attempts "$([ "$ACTION" = install-good ] && echo 3 || echo 2)" || rc=$?
+			--keyring /run/vabc-keys --max-boot-attempts "$([ "$ACTION" = install-good ] && echo 3 || echo 2)" || rc=$?
 		say "install-done rc=$rc state $(state) ($((SECONDS - t0)) s)"
 	fi
 	;;
@@ -74,7 +74,7 @@ run | corrupt)
 	case $(state) in
 	installed)
 		if [ "$(cat /etc/health)" = ok ]; then
-			"$V" update mark-good --store $S >/dev/null || rc=$?
+			"$V" update mark-good --store $S --keyring /run/vabc-keys >/dev/null || rc=$?
 			say "merge-start"
 			merge_and_read || rc=1
 		else

@@ -18,6 +18,9 @@ mkdir -p /run/bin
 cp "$VABC_SRC" /run/bin/vabc
 cp "$HERE/guest-device-stage2.sh" /run/bin/stage2.sh
 export VABC=/run/bin/vabc
+# The device's keyring, as an initramfs carries it (never the data disk's).
+mkdir -p /run/vabc-keys
+cp "$VABC_DEVICE_KEYS"/*.pem /run/vabc-keys/
 # The state the boot finds (what a power cut left), before the hook acts on it.
 mkdir -p /tmp/data
 if mount -o ro /dev/vdb /tmp/data 2>/dev/null; then
@@ -26,7 +29,8 @@ if mount -o ro /dev/vdb /tmp/data 2>/dev/null; then
 	umount /tmp/data
 fi
 t0=$SECONDS
-root=$(sh "$ROOT/packaging/initramfs/vabc-boot.sh" /dev/vdb /data vabc system=/dev/vda --frontend ublk)
+root=$(sh "$ROOT/packaging/initramfs/vabc-boot.sh" /dev/vdb /data vabc system=/dev/vda --frontend ublk \
+	--keyring /run/vabc-keys)
 echo "scenario: initramfs: root device $root ($((SECONDS - t0)) s)"
 [ -e /run/vabc/system.log ] && sed 's/^/scenario: daemon: /' /run/vabc/system.log
 mkdir -p /newroot

@@ -54,8 +54,32 @@ pub struct BundleManifest {
     /// Key id of the signer ([`PublicKey::id`]), `None` when unsigned.
     #[serde(default)]
     pub signer: Option<String>,
+    /// What release this is, for the device's anti-rollback check.
+    #[serde(flatten)]
+    pub release: Release,
     /// The partitions, in payload order.
     pub partitions: Vec<Partition>,
+}
+
+/// A bundle's release: signed with the manifest, so that a device can refuse an
+/// update that goes back (update_engine's `max_timestamp`, TUF's version numbers).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Release {
+    /// Increases with every release; a device refuses one not greater than the
+    /// version it runs (0 in bundles made before it existed).
+    #[serde(default)]
+    pub version: u64,
+    /// When the bundle was built, seconds since 1970 (UTC).
+    #[serde(default)]
+    pub build_timestamp: u64,
+    /// After this time (seconds since 1970) the bundle is refused: a device that is
+    /// kept from seeing newer releases (a freeze attack) stops installing this one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires: Option<u64>,
+    /// Refuse to install this bundle over a newer version even when the device's
+    /// user asks for a downgrade (`--allow-downgrade`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub no_downgrade: bool,
 }
 
 /// One partition's update.
@@ -63,6 +87,11 @@ pub struct BundleManifest {
 pub struct Partition {
     /// Partition name (`system`, `vendor`, ...): names its base and its outputs.
     pub name: String,
+    /// Bytes of the partition the update is for: a device's base must be exactly this
+    /// large, so that the base identity covers the whole partition (0 in bundles made
+    /// before it existed: the base image's size).
+    #[serde(default)]
+    pub partition_size: u64,
     /// The base it needs, the image it makes, and the per-op hashes of the COW it
     /// writes: the sidecar `vabc diff` writes beside a COW, written beside the
     /// installed one.
@@ -161,6 +190,16 @@ impl PayloadInfo {
     }
 }
 
+impl Partition {
+    /// Bytes of the partition the update is for ([`Partition::partition_size`]).
+    pub fn partition_bytes(&self) -> u64 {
+        match self.partition_size {
+            0 => self.image.base.size,
+            n => n,
+        }
+    }
+}
+
 impl BundleManifest {
     /// The partition named `name`.
     pub fn partition(&self, name: &str) -> Option<&Partition> {
@@ -195,6 +234,7 @@ pub struct BundleWriter {
     payloads: tempfile::NamedTempFile,
     written: u64,
     partitions: Vec<Partition>,
+    release: Release,
 }
 
 impl BundleWriter {
@@ -206,7 +246,13 @@ impl BundleWriter {
             payloads,
             written: 0,
             partitions: Vec::new(),
+            release: Release::default(),
         })
+    }
+
+    /// Sets the release the manifest states.
+    pub fn set_release(&mut self, release: Release) {
+        self.release = release;
     }
 
     /// Where the next payload goes: append its bytes, then call
@@ -220,6 +266,13 @@ impl BundleWriter {
     pub fn add_partition(&mut self, mut part: Partition) -> Result<()> {
         let path = self.payloads.path().to_path_buf();
         check_partition_name(&part.name, &self.out, 0)?;
+        if self.partitions.iter().any(|p| p.name == part.name) {
+            return Err(BundleError::Format {
+                path: self.out.clone(),
+                offset: 0,
+                msg: format!("partition {:?} is added twice", part.name),
+            });
+        }
         let f = self.payloads.as_file_mut();
         let end = f.seek(SeekFrom::End(0)).map_err(io_err(&path, "seek", 0))?;
         let start = self.written;
@@ -246,6 +299,7 @@ impl BundleWriter {
             format: "vabc-bundle".into(),
             created_by: created_by.into(),
             signer: key.map(|k| k.public().id()),
+            release: self.release,
             partitions: self.partitions,
         };
         let fail = |msg: String| BundleError::Format {
@@ -313,15 +367,7 @@ impl Write for HashWriter<'_> {
     }
 }
 
-/// Whether `name` can name a partition: it becomes a file name on the device
-/// (`NAME.cow`), so 1 to 64 ASCII letters, digits, `_` and `-` (Android's partition
-/// names are of these).
-pub fn is_partition_name(name: &str) -> bool {
-    (1..=64).contains(&name.len())
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
-}
+pub use manifest::is_partition_name;
 
 /// [`is_partition_name`], as the error of a bundle at `path` that breaks it.
 fn check_partition_name(name: &str, path: &Path, offset: u64) -> Result<()> {
@@ -347,6 +393,8 @@ pub struct BundleReader<R: Read> {
     manifest: BundleManifest,
     signed: bool,
     next: usize,
+    /// Header, manifest and signature as read: what the signature covers.
+    head: Vec<u8>,
 }
 
 impl<R: Read> std::fmt::Debug for BundleReader<R> {
@@ -363,6 +411,13 @@ impl<R: Read> std::fmt::Debug for BundleReader<R> {
 pub enum Trust<'a> {
     /// The bundle must be signed by this key.
     Key(&'a PublicKey),
+    /// The bundle must be signed by one of `keys`; with `unsigned_ok`, an unsigned
+    /// bundle (or any bundle, when `keys` is empty) is accepted unchecked (a
+    /// development device's `--allow-unsigned`).
+    AnyOf {
+        keys: &'a [PublicKey],
+        unsigned_ok: bool,
+    },
     /// Accept any bundle, signed or not, without checking (`--allow-unsigned`,
     /// `vabc bundle info`).
     Unchecked,
@@ -421,20 +476,39 @@ impl<R: Read> BundleReader<R> {
         let sig_at = (HEADER_SIZE + json.len()) as u64;
         read_full(&mut input, &mut sig, path, sig_at, "the signature")?;
         // The signature first: nothing of an unverified manifest is believed.
-        if let Trust::Key(key) = trust {
-            if slen == 0 {
-                return Err(BundleError::Signature {
-                    path: path.to_path_buf(),
-                    msg: "the bundle is not signed; install it with --allow-unsigned only if \
-                          you trust where it came from"
+        let (keys, unsigned_ok) = match trust {
+            Trust::Key(k) => (std::slice::from_ref(k), false),
+            Trust::AnyOf { keys, unsigned_ok } => (keys, unsigned_ok),
+            Trust::Unchecked => (&[][..], true),
+        };
+        let sig_err = |msg: String| BundleError::Signature {
+            path: path.to_path_buf(),
+            msg,
+        };
+        if slen == 0 {
+            if !unsigned_ok {
+                return Err(sig_err(
+                    "the bundle is not signed; install it with --allow-unsigned only if you \
+                     trust where it came from"
                         .into(),
-                });
+                ));
             }
-            key.verify(&[&hb, &json], &sig)
-                .map_err(|msg| BundleError::Signature {
-                    path: path.to_path_buf(),
-                    msg,
-                })?;
+        } else if let Some(first) = keys.first() {
+            if !keys.iter().any(|k| k.verify(&[&hb, &json], &sig).is_ok()) {
+                let why = first.verify(&[&hb, &json], &sig).err().unwrap_or_default();
+                return Err(sig_err(match keys.len() {
+                    1 => why,
+                    n => format!(
+                        "the signature verifies with none of the {n} trusted keys ({}): {why}",
+                        keys.iter()
+                            .map(PublicKey::id)
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                }));
+            }
+        } else if !unsigned_ok {
+            return Err(sig_err("no trusted key to check the signature with".into()));
         }
         let mut text = Vec::new();
         zstd::stream::read::Decoder::new(&json[..])
@@ -455,8 +529,14 @@ impl<R: Read> BundleReader<R> {
             ));
         }
         let mut at = 0u64;
-        for p in &manifest.partitions {
+        for (i, p) in manifest.partitions.iter().enumerate() {
             check_partition_name(&p.name, path, HEADER_SIZE as u64)?;
+            if manifest.partitions[..i].iter().any(|q| q.name == p.name) {
+                return Err(fail(
+                    HEADER_SIZE as u64,
+                    format!("partition {:?} is named twice in the manifest", p.name),
+                ));
+            }
             if p.payload.offset != at || p.payload.plan_length > p.payload.length {
                 return Err(fail(
                     HEADER_SIZE as u64,
@@ -485,7 +565,12 @@ impl<R: Read> BundleReader<R> {
             })?;
         }
         let payload_start = sig_at + slen as u64;
+        let mut head = Vec::with_capacity(payload_start as usize);
+        head.extend_from_slice(&hb);
+        head.extend_from_slice(&json);
+        head.extend_from_slice(&sig);
         Ok(BundleReader {
+            head,
             input,
             path: path.to_path_buf(),
             pos: payload_start,
@@ -509,6 +594,13 @@ impl<R: Read> BundleReader<R> {
     /// Where the payloads start in the bundle.
     pub fn payload_start(&self) -> u64 {
         self.payload_start
+    }
+
+    /// The bundle's head: header, manifest and signature, the bytes the signature
+    /// covers (with the signature itself). A device keeps it to verify the update
+    /// again at every boot and before its merge ([`read_head`]).
+    pub fn head(&self) -> &[u8] {
+        &self.head
     }
 
     /// The next partition's payload as a stream, hashed as it is read: call
@@ -652,6 +744,66 @@ impl<R: Read> PayloadStream<'_, R> {
         self.start + self.read
     }
 
+    /// Reads the plan section at the payload's start: its length (8 bytes,
+    /// little-endian), which must be the manifest's and is bounded by the new image's
+    /// block count before anything is allocated (a plan is a few bytes per block), then
+    /// its bytes as they arrive, so that a stream ending early costs no more memory
+    /// than it sent.
+    pub fn read_plan(&mut self) -> Result<Vec<u8>> {
+        let start = self.position();
+        let path = self.path.clone();
+        let fail = |offset: u64, msg: String| BundleError::Format {
+            path: path.clone(),
+            offset,
+            msg,
+        };
+        let name = self.part.name.clone();
+        let mut len = [0u8; 8];
+        self.read_exact(&mut len).map_err(|e| match e.kind() {
+            std::io::ErrorKind::UnexpectedEof => fail(
+                start,
+                format!("truncated: the bundle ends inside the plan of {name}"),
+            ),
+            _ => io_err(&self.path, "read the plan", start)(e),
+        })?;
+        let plan_len = u64::from_le_bytes(len);
+        if plan_len.checked_add(8) != Some(self.part.payload.plan_length) {
+            return Err(fail(
+                start,
+                format!(
+                    "partition {name}: plan of {plan_len} bytes, the manifest says {}",
+                    self.part.payload.plan_length.saturating_sub(8)
+                ),
+            ));
+        }
+        let blocks = self.part.image.new.size.div_ceil(4096);
+        let max_plan = blocks.saturating_mul(64).saturating_add(1 << 20);
+        if plan_len > max_plan {
+            return Err(fail(
+                start,
+                format!(
+                    "partition {name}: plan of {plan_len} bytes, more than any plan of its \
+                     {blocks} blocks ({max_plan})"
+                ),
+            ));
+        }
+        let mut plan = Vec::new();
+        let got = (&mut *self)
+            .take(plan_len)
+            .read_to_end(&mut plan)
+            .map_err(io_err(&path, "read the plan", start + 8))?;
+        if got as u64 != plan_len {
+            return Err(fail(
+                start + 8 + got as u64,
+                format!(
+                    "truncated: the bundle ends inside the plan of {name} ({got} of {plan_len} \
+                     bytes)"
+                ),
+            ));
+        }
+        Ok(plan)
+    }
+
     /// Reads what is left of the payload and checks its sha256 against the manifest.
     pub fn finish(mut self) -> Result<()> {
         let at = self.position();
@@ -756,6 +908,26 @@ impl<R: crate::Source> PayloadStream<'_, R> {
     }
 }
 
+/// Reads a bundle head kept by a device ([`BundleReader::head`]): the signature
+/// checked as `trust` says, the manifest parsed and checked as a whole bundle's is.
+/// Bytes after the signature are refused: nothing unsigned rides along. Returns the
+/// manifest and whether the head is signed.
+pub fn read_head(bytes: &[u8], path: &Path, trust: Trust<'_>) -> Result<(BundleManifest, bool)> {
+    let r = BundleReader::open(bytes, path, trust)?;
+    if r.payload_start() != bytes.len() as u64 {
+        return Err(BundleError::Format {
+            path: path.to_path_buf(),
+            offset: r.payload_start(),
+            msg: format!(
+                "{} bytes after the signed head, which holds only header, manifest and \
+                 signature",
+                bytes.len() as u64 - r.payload_start()
+            ),
+        });
+    }
+    Ok((r.manifest, r.signed))
+}
+
 fn read_full(
     input: &mut impl Read,
     buf: &mut [u8],
@@ -801,6 +973,7 @@ mod tests {
             regions: Vec::new(),
         };
         w.add_partition(Partition {
+            partition_size: 0,
             name: "system".into(),
             image: manifest::Manifest {
                 schema_version: manifest::SCHEMA_VERSION,
@@ -868,5 +1041,111 @@ mod tests {
         ] {
             assert!(!is_partition_name(bad), "{bad}");
         }
+    }
+
+    /// The bytes of an unsigned bundle whose manifest is `edit`ed first (the
+    /// manifest recompressed, the header's length fixed).
+    fn with_manifest(bytes: &[u8], edit: impl Fn(&mut serde_json::Value)) -> Vec<u8> {
+        let mlen = u32::from_le_bytes(bytes[16..20].try_into().unwrap()) as usize;
+        let text =
+            zstd::bulk::decompress(&bytes[HEADER_SIZE..HEADER_SIZE + mlen], 1 << 20).unwrap();
+        let mut v: serde_json::Value = serde_json::from_slice(&text).unwrap();
+        edit(&mut v);
+        let json = zstd::bulk::compress(&serde_json::to_vec(&v).unwrap(), 3).unwrap();
+        let mut out = header_bytes(json.len(), false).to_vec();
+        out.extend_from_slice(&json);
+        out.extend_from_slice(&bytes[HEADER_SIZE + mlen..]);
+        out
+    }
+
+    #[test]
+    fn a_partition_named_twice_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let bytes = one_partition(dir.path(), 64, b"x");
+        let twice = with_manifest(&bytes, |v| {
+            let p = v["partitions"][0].clone();
+            v["partitions"].as_array_mut().unwrap().push(p);
+        });
+        let e = BundleReader::open(&twice[..], Path::new("b.vabc"), Trust::Unchecked)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("named twice"), "{e}");
+        // Nor can a writer add one twice.
+        let mut w = BundleWriter::new(&dir.path().join("w.vabc")).unwrap();
+        let r = BundleReader::open(&bytes[..], Path::new("b.vabc"), Trust::Unchecked).unwrap();
+        let part = r.manifest().partitions[0].clone();
+        w.add_partition(part.clone()).unwrap();
+        assert!(
+            w.add_partition(part)
+                .unwrap_err()
+                .to_string()
+                .contains("twice")
+        );
+    }
+
+    #[test]
+    fn a_plan_length_is_bounded_before_it_is_allocated() {
+        let dir = tempfile::tempdir().unwrap();
+        // A payload claiming a plan of 2^40 bytes (which a stream cannot be measured
+        // against in advance): a clear error, no allocation of it.
+        let huge = 1u64 << 40;
+        let mut payload = huge.to_le_bytes().to_vec();
+        payload.extend_from_slice(&[0u8; 64]);
+        let bytes = one_partition(dir.path(), 64, &payload);
+        let bytes = with_manifest(&bytes, |v| {
+            v["partitions"][0]["payload"]["plan_length"] = (huge + 8).into();
+            v["partitions"][0]["payload"]["length"] = (huge + 8).into();
+        });
+        let mut r = BundleReader::open(&bytes[..], Path::new("-"), Trust::Unchecked).unwrap();
+        let (_, mut stream) = r.payload().unwrap();
+        let e = stream.read_plan().unwrap_err().to_string();
+        assert!(
+            e.contains("more than any plan") && e.contains("offset"),
+            "{e}"
+        );
+        // A stream that ends inside a plausible plan says so.
+        let mut payload = 100u64.to_le_bytes().to_vec();
+        payload.extend_from_slice(&[0u8; 10]);
+        let bytes = one_partition(dir.path(), 64, &payload);
+        let bytes = with_manifest(&bytes, |v| {
+            v["partitions"][0]["payload"]["plan_length"] = 108.into();
+            v["partitions"][0]["payload"]["length"] = 108.into();
+        });
+        let mut r = BundleReader::open(&bytes[..], Path::new("-"), Trust::Unchecked).unwrap();
+        let (_, mut stream) = r.payload().unwrap();
+        let e = stream.read_plan().unwrap_err().to_string();
+        assert!(e.contains("truncated") && e.contains("10 of 100"), "{e}");
+    }
+
+    #[test]
+    fn a_head_is_read_whole_and_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let bytes = one_partition(dir.path(), 64, b"payload");
+        let r = BundleReader::open(&bytes[..], Path::new("b.vabc"), Trust::Unchecked).unwrap();
+        let head = r.head().to_vec();
+        assert_eq!(head.len() as u64, r.payload_start());
+        let (m, signed) = read_head(&head, Path::new("h"), Trust::Unchecked).unwrap();
+        assert_eq!(&m, r.manifest());
+        assert!(!signed);
+        // Bytes after the signed head (here: the payload) are refused, naming where.
+        let e = read_head(&bytes, Path::new("h"), Trust::Unchecked)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("after the signed head"), "{e}");
+        // An unsigned head needs a device that accepts unsigned updates.
+        let keys: &[PublicKey] = &[];
+        let strict = Trust::AnyOf {
+            keys,
+            unsigned_ok: false,
+        };
+        let e = read_head(&head, Path::new("h"), strict)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("not signed"), "{e}");
+        let lax = Trust::AnyOf {
+            keys,
+            unsigned_ok: true,
+        };
+        assert!(read_head(&head, Path::new("h"), lax).is_ok());
     }
 }

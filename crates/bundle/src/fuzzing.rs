@@ -163,6 +163,7 @@ pub fn sample(
     };
     use sha2::Digest;
     w.add_partition(Partition {
+        partition_size: 0,
         name: "system".into(),
         image,
         cow: CowParams {

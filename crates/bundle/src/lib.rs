@@ -48,7 +48,8 @@ use std::path::PathBuf;
 
 pub use format::{
     BundleManifest, BundleReader, BundleWriter, CowParams, FORMAT_VERSION, HEADER_SIZE, MAGIC,
-    Partition, PayloadInfo, PayloadStream, PlanCounts, SourceHealth, VerityInfo,
+    Partition, PayloadInfo, PayloadStream, PlanCounts, Release, SourceHealth, Trust, VerityInfo,
+    read_head,
 };
 pub use source::Source;
 

@@ -249,6 +249,14 @@ impl Header {
         b
     }
 
+    /// The bytes of a COW file a merge rewrites: the header's merge counter
+    /// (`num_merge_ops`) and the scratch area. Everything else stays as the
+    /// writer left it (a writer leaves both zero), so a hash of the file with
+    /// these ranges taken as zeros identifies a COW through its merge.
+    pub fn merge_written_ranges(&self) -> [std::ops::Range<u64>; 2] {
+        [26..34, u64::from(self.header_size)..self.payload_start()]
+    }
+
     /// Offset of the first byte after header + scratch area: where v2 op
     /// records or the v3 sequence buffer begin.
     pub fn payload_start(&self) -> u64 {

@@ -23,6 +23,17 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+/// Whether `name` can name a partition: it becomes a file name on the device
+/// (`NAME.cow`), so 1 to 64 ASCII letters, digits, `_` and `-` (Android's partition
+/// names are of these). Bundles, the device's update state and the store all hold
+/// partition names to this one rule.
+pub fn is_partition_name(name: &str) -> bool {
+    (1..=64).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
 /// The body of the `manifest_parse` fuzz target, replayed over its corpus by
 /// `cargo test`.
 #[cfg(any(test, feature = "fuzzing"))]

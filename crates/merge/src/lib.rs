@@ -25,7 +25,7 @@ pub mod view;
 
 pub use error::{MergeError, Result};
 pub use io::{Dev, IoStats, MergeIo, SyncIo};
-pub use merger::{Merge, MergeOptions, MergeReport};
+pub use merger::{BlockCheck, Merge, MergeOptions, MergeReport};
 pub use progress::Progress;
 pub use status::MergeStatus;
 pub use uring::UringIo;

@@ -246,7 +246,12 @@ pub struct Merge<'a> {
     opts: MergeOptions,
     status: Option<Arc<MergeStatus>>,
     cancel: Option<Arc<AtomicBool>>,
+    scratch_check: Option<BlockCheck>,
 }
+
+/// Checks a new-image block (its number, its bytes) against an identity the caller
+/// trusts; `Err` says why not.
+pub type BlockCheck = Arc<dyn Fn(u64, &[u8]) -> std::result::Result<(), String> + Send + Sync>;
 
 impl<'a> Merge<'a> {
     /// Check the COW's merge order (refusing an unsafe one, like AOSP's
@@ -325,7 +330,18 @@ impl<'a> Merge<'a> {
             opts,
             status: None,
             cancel: None,
+            scratch_check: None,
         })
+    }
+
+    /// Check every block of a published scratch window with `check` before it is
+    /// served or written to the base. The scratch area is the one part of a COW the
+    /// merge itself rewrites, so no hash of the COW as installed can cover it: a
+    /// device that must write only signed blocks checks them here against a signed
+    /// tree (the update's dm-verity tree).
+    pub fn with_scratch_check(mut self, check: BlockCheck) -> Self {
+        self.scratch_check = Some(check);
+        self
     }
 
     /// Share progress with readers serving the image during the merge.
@@ -956,6 +972,20 @@ impl<'a> Merge<'a> {
         }
         io.read_many(Dev::Cow, &mut [(self.data_off, &mut buf[..n * BLOCK_SIZE])])
             .map_err(|e| self.cow_io("read scratch data", self.data_off, e))?;
+        if let Some(check) = &self.scratch_check {
+            for (i, block) in buf[..n * BLOCK_SIZE].chunks_exact(BLOCK_SIZE).enumerate() {
+                let new_block = self.order[pos + i].new_block;
+                check(new_block, block).map_err(|msg| MergeError::Corrupt {
+                    path: self.cow_path.clone(),
+                    offset: self.data_off + (i * BLOCK_SIZE) as u64,
+                    msg: format!(
+                        "the scratch copy of block {new_block} (op {}) is not the new image's: \
+                         {msg}; nothing was written",
+                        pos + i
+                    ),
+                })?;
+            }
+        }
         Ok(n)
     }
 

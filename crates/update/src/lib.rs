@@ -50,6 +50,16 @@ pub const STATE_FILE: &str = "state";
 /// Largest state file read (a state of a few partitions is a few KiB).
 const MAX_STATE: u64 = 1 << 20;
 
+/// The bundle's signed head (header, manifest, signature) as installed: what every
+/// later step verifies again and takes its identities from.
+pub const HEAD_FILE: &str = "update.head";
+
+/// The version of the last update merged on this device (decimal), a floor for the
+/// next install's version. It lives on the data partition, so whoever can write that
+/// partition can lower it: a device that needs a floor no such writer can move keeps
+/// one in its verified root image as well (docs/06-trust.md).
+pub const VERSION_FILE: &str = "version";
+
 /// Errors of the update state, each naming the store and what was being done.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -198,7 +208,18 @@ impl State {
             State::None => Ok(State::Installing {
                 update: update.clone(),
             }),
-            State::Installing { update: u } if u.id == update.id => Ok(self.clone()),
+            State::Installing { update: u } if u == update => Ok(self.clone()),
+            State::Installing { update: u } if u.id == update.id => Err(format!(
+                "this bundle's install was begun with other bases or options (bases {}, {} boot \
+                 attempts): run it again as it was begun, or drop it with `vabc update \
+                 rollback` first",
+                u.partitions
+                    .iter()
+                    .map(|p| format!("{}={}", p.name, p.base.display()))
+                    .collect::<Vec<_>>()
+                    .join(" "),
+                u.max_boot_attempts
+            )),
             State::Installing { .. } => Err(
                 "another update is being installed: `vabc update rollback` drops it first".into(),
             ),
@@ -297,7 +318,88 @@ pub fn parse_state(bytes: &[u8], path: &Path) -> Result<State> {
         });
     }
     let f: StateFile = serde_json::from_value(v).map_err(|e| corrupt(e.to_string()))?;
+    if let Some(u) = f.state.update() {
+        u.validate().map_err(corrupt)?;
+    }
     Ok(f.state)
+}
+
+impl Update {
+    /// Checks what the state file could use to steer file operations or devices: the
+    /// names it holds must be the plain ones vabc generates (`NAME.cow`,
+    /// `NAME.verity`, partition names of letters, digits, `_` and `-`, each once), the
+    /// bases absolute paths without `..`, the id and hashes hex. A state that breaks
+    /// any of these was not written by vabc and is refused, naming the field.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        let hex = |s: &str, what: &str| -> std::result::Result<(), String> {
+            if s.len() < 64 || s.len() > 128 || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return Err(format!("{what} {s:?} is not a hex digest"));
+            }
+            Ok(())
+        };
+        hex(&self.id, "update.id")?;
+        if self.partitions.is_empty() {
+            return Err("update.partitions is empty".into());
+        }
+        for (i, p) in self.partitions.iter().enumerate() {
+            let field = |f: &str| format!("update.partitions[{i}].{f}");
+            if !manifest::is_partition_name(&p.name) {
+                return Err(format!(
+                    "{} {:?} is not a partition name (1 to 64 letters, digits, '_' or '-')",
+                    field("name"),
+                    p.name
+                ));
+            }
+            if self.partitions[..i].iter().any(|q| q.name == p.name) {
+                return Err(format!("{} {:?} is named twice", field("name"), p.name));
+            }
+            if p.cow != cow_name(&p.name) {
+                return Err(format!(
+                    "{} {:?} is not {:?}, the name vabc gives it",
+                    field("cow"),
+                    p.cow,
+                    cow_name(&p.name)
+                ));
+            }
+            if let Some(v) = &p.verity {
+                if v.file != verity_name(&p.name) {
+                    return Err(format!(
+                        "{} {:?} is not {:?}, the name vabc gives it",
+                        field("verity.file"),
+                        v.file,
+                        verity_name(&p.name)
+                    ));
+                }
+                hex(&v.root_hash, &field("verity.root_hash"))?;
+            }
+            hex(&p.new_sha256, &field("new_sha256"))?;
+            let plain = p.base.is_absolute()
+                && p.base.components().all(|c| {
+                    matches!(
+                        c,
+                        std::path::Component::RootDir | std::path::Component::Normal(_)
+                    )
+                });
+            if !plain {
+                return Err(format!(
+                    "{} {:?} is not an absolute path without '.' or '..'",
+                    field("base"),
+                    p.base
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The COW file of partition `name` in a store.
+pub fn cow_name(name: &str) -> String {
+    format!("{name}.cow")
+}
+
+/// The dm-verity hash file of partition `name` in a store.
+pub fn verity_name(name: &str) -> String {
+    format!("{name}.verity")
 }
 
 /// The state file's bytes for `state`.
@@ -319,7 +421,9 @@ pub struct Store {
 }
 
 impl Store {
-    /// Opens the store at `path` (which must exist).
+    /// Opens the store at `path` (which must exist). Refuses a folder that another
+    /// user owns or that its group or others may write: whoever can add or replace
+    /// its files could steer what the device boots.
     pub fn open(path: &Path) -> Result<Store> {
         let dir = rustix::fs::open(
             path,
@@ -331,6 +435,35 @@ impl Store {
             op: "open the store folder",
             source: e.into(),
         })?;
+        let st = rustix::fs::fstat(&dir).map_err(|e| UpdateError::Io {
+            path: path.to_path_buf(),
+            op: "stat the store folder",
+            source: e.into(),
+        })?;
+        let me = rustix::process::geteuid().as_raw();
+        if st.st_uid != me {
+            return Err(UpdateError::Refused {
+                path: path.to_path_buf(),
+                msg: format!(
+                    "the store folder is owned by user {}, not by this user ({me}): another \
+                     user could replace its files; `chown {me} {}` if it is yours; nothing was \
+                     changed",
+                    st.st_uid,
+                    path.display()
+                ),
+            });
+        }
+        let mode = st.st_mode & 0o7777;
+        if mode & 0o022 != 0 {
+            return Err(UpdateError::Refused {
+                path: path.to_path_buf(),
+                msg: format!(
+                    "the store folder has mode {mode:04o}: its group or others may add or \
+                     replace its files; `chmod go-w {}`; nothing was changed",
+                    path.display()
+                ),
+            });
+        }
         Ok(Store {
             dir,
             path: path.to_path_buf(),
@@ -340,11 +473,18 @@ impl Store {
     /// Makes `path` a store in state none (the folder is created if missing); refuses
     /// a folder that is one already.
     pub fn init(path: &Path) -> Result<Store> {
-        std::fs::create_dir_all(path).map_err(|e| UpdateError::Io {
-            path: path.to_path_buf(),
-            op: "create the store folder",
-            source: e,
-        })?;
+        if !path.exists() {
+            use std::os::unix::fs::DirBuilderExt;
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(path)
+                .map_err(|e| UpdateError::Io {
+                    path: path.to_path_buf(),
+                    op: "create the store folder",
+                    source: e,
+                })?;
+        }
         let store = Store::open(path)?;
         if store.exists(STATE_FILE)? {
             return Err(UpdateError::Refused {
@@ -377,87 +517,127 @@ impl Store {
 
     /// Whether the store holds a file `name`.
     pub fn exists(&self, name: &str) -> Result<bool> {
-        match rustix::fs::statat(&self.dir, name, rustix::fs::AtFlags::empty()) {
+        match rustix::fs::statat(&self.dir, name, rustix::fs::AtFlags::SYMLINK_NOFOLLOW) {
             Ok(_) => Ok(true),
             Err(rustix::io::Errno::NOENT) => Ok(false),
             Err(e) => Err(self.io("stat a file of the store")(e)),
         }
     }
 
-    /// Opens the store's file `name` for reading.
+    /// Opens the store's file `name` for reading: not through a symbolic link, and
+    /// only a regular file.
     pub fn open_file(&self, name: &str) -> Result<std::fs::File> {
-        rustix::fs::openat(
+        let path = self.path.join(name);
+        let fd = rustix::fs::openat(
             &self.dir,
             name,
-            OFlags::RDONLY | OFlags::CLOEXEC,
+            OFlags::RDONLY | OFlags::CLOEXEC | OFlags::NOFOLLOW | OFlags::NONBLOCK,
             Mode::empty(),
         )
-        .map(std::fs::File::from)
         .map_err(|e| UpdateError::Io {
-            path: self.path.join(name),
-            op: "open",
+            path: path.clone(),
+            op: if e == rustix::io::Errno::LOOP {
+                "open (it is a symbolic link, which a store never holds)"
+            } else {
+                "open"
+            },
             source: e.into(),
-        })
+        })?;
+        let st = rustix::fs::fstat(&fd).map_err(|e| UpdateError::Io {
+            path: path.clone(),
+            op: "stat",
+            source: e.into(),
+        })?;
+        if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile {
+            return Err(UpdateError::Refused {
+                path,
+                msg: "is not a regular file, which every file of a store is".into(),
+            });
+        }
+        // Blocking reads again (O_NONBLOCK only kept a planted FIFO from hanging open).
+        rustix::fs::fcntl_setfl(&fd, OFlags::empty()).map_err(|e| UpdateError::Io {
+            path: path.clone(),
+            op: "set flags",
+            source: e.into(),
+        })?;
+        Ok(std::fs::File::from(fd))
+    }
+
+    /// Reads the store's file `name` whole; larger than `max` bytes is refused.
+    pub fn read_file(&self, name: &str, max: u64) -> Result<Vec<u8>> {
+        let file = self.open_file(name)?;
+        let mut bytes = Vec::new();
+        file.take(max + 1)
+            .read_to_end(&mut bytes)
+            .map_err(|e| UpdateError::Io {
+                path: self.path.join(name),
+                op: "read",
+                source: e,
+            })?;
+        if bytes.len() as u64 > max {
+            return Err(UpdateError::Refused {
+                path: self.path.join(name),
+                msg: format!("is larger than {max} bytes, more than vabc ever writes there"),
+            });
+        }
+        Ok(bytes)
+    }
+
+    /// Makes `bytes` the store's file `name`, durably and whole: a temporary file
+    /// created anew (`O_EXCL`, so a planted link or file is never written through),
+    /// fsynced, renamed over `name`, the folder fsynced.
+    pub fn write_file(&self, name: &str, bytes: &[u8]) -> Result<()> {
+        let tmp = format!(".{name}.tmp");
+        self.remove(&tmp)?;
+        let fd = rustix::fs::openat(
+            &self.dir,
+            &tmp,
+            OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::from_raw_mode(0o600),
+        )
+        .map_err(|e| UpdateError::Io {
+            path: self.path.join(&tmp),
+            op: "create",
+            source: e.into(),
+        })?;
+        let mut f = std::fs::File::from(fd);
+        f.write_all(bytes)
+            .and_then(|()| f.sync_all())
+            .map_err(|e| UpdateError::Io {
+                path: self.path.join(&tmp),
+                op: "write",
+                source: e,
+            })?;
+        drop(f);
+        rustix::fs::renameat(&self.dir, &tmp, &self.dir, name).map_err(|e| UpdateError::Io {
+            path: self.path.join(name),
+            op: "rename into place",
+            source: e.into(),
+        })?;
+        rustix::fs::fsync(&self.dir).map_err(self.io("fsync the store folder"))
     }
 
     /// The current state.
     pub fn load(&self) -> Result<State> {
         let path = self.path.join(STATE_FILE);
-        let file = match rustix::fs::openat(
-            &self.dir,
-            STATE_FILE,
-            OFlags::RDONLY | OFlags::CLOEXEC,
-            Mode::empty(),
-        ) {
-            Ok(fd) => std::fs::File::from(fd),
-            Err(rustix::io::Errno::NOENT) => {
-                return Err(UpdateError::NoState {
-                    path: self.path.clone(),
-                });
-            }
-            Err(e) => return Err(self.io("open the state file")(e)),
-        };
-        let mut bytes = Vec::new();
-        file.take(MAX_STATE + 1)
-            .read_to_end(&mut bytes)
-            .map_err(|e| UpdateError::Io {
-                path: path.clone(),
-                op: "read",
-                source: e,
-            })?;
-        if bytes.len() as u64 > MAX_STATE {
-            return Err(UpdateError::Corrupt {
-                path,
-                msg: format!("larger than {MAX_STATE} bytes"),
+        if !self.exists(STATE_FILE)? {
+            return Err(UpdateError::NoState {
+                path: self.path.clone(),
             });
         }
+        let bytes = match self.read_file(STATE_FILE, MAX_STATE) {
+            Err(UpdateError::Refused { msg, .. }) => {
+                return Err(UpdateError::Corrupt { path, msg });
+            }
+            r => r?,
+        };
         parse_state(&bytes, &path)
     }
 
-    /// Makes `state` the store's state, durably: written to a temporary file, fsynced,
-    /// renamed over the state file, and the folder fsynced. A power cut leaves the
-    /// old state or the new one.
+    /// Makes `state` the store's state, durably ([`Store::write_file`]): a power cut
+    /// leaves the old state or the new one.
     pub fn save(&self, state: &State) -> Result<()> {
-        let tmp = ".state.tmp";
-        let fd = rustix::fs::openat(
-            &self.dir,
-            tmp,
-            OFlags::WRONLY | OFlags::CREATE | OFlags::TRUNC | OFlags::CLOEXEC,
-            Mode::from_raw_mode(0o644),
-        )
-        .map_err(self.io("create the temporary state file"))?;
-        let mut f = std::fs::File::from(fd);
-        f.write_all(&encode_state(state))
-            .and_then(|()| f.sync_all())
-            .map_err(|e| UpdateError::Io {
-                path: self.path.join(tmp),
-                op: "write",
-                source: e,
-            })?;
-        drop(f);
-        rustix::fs::renameat(&self.dir, tmp, &self.dir, STATE_FILE)
-            .map_err(self.io("rename the new state file into place"))?;
-        rustix::fs::fsync(&self.dir).map_err(self.io("fsync the store folder"))
+        self.write_file(STATE_FILE, &encode_state(state))
     }
 
     /// Removes the store's file `name` if it is there (the folder is fsynced by the
@@ -478,9 +658,10 @@ impl Store {
         rustix::fs::fsync(&self.dir).map_err(self.io("fsync the store folder"))
     }
 
-    /// Removes every file of `update` from the store (COWs, their manifests and
-    /// trees), then syncs the folder.
+    /// Removes every file of `update` from the store (its signed head, COWs, their
+    /// manifests and trees), then syncs the folder.
     pub fn remove_update_files(&self, update: &Update) -> Result<()> {
+        self.remove(HEAD_FILE)?;
         for p in &update.partitions {
             self.remove(&p.cow)?;
             self.remove(&format!("{}.manifest", p.cow))?;
@@ -522,7 +703,7 @@ mod tests {
 
     fn update(id: &str) -> Update {
         Update {
-            id: id.into(),
+            id: format!("{id:0>64}"),
             max_boot_attempts: 2,
             partitions: vec![PartitionState {
                 name: "system".into(),
@@ -540,7 +721,7 @@ mod tests {
 
     #[test]
     fn every_state_round_trips_through_its_file() {
-        let u = update("u1");
+        let u = update("a1");
         for s in [
             State::None,
             State::Installing { update: u.clone() },
@@ -558,10 +739,10 @@ mod tests {
 
     #[test]
     fn the_lifecycle_and_its_refusals() {
-        let u = update("u1");
+        let u = update("a1");
         let s = State::None.begin_install(&u).unwrap();
         assert_eq!(s.begin_install(&u).unwrap(), s, "resuming the same update");
-        assert!(s.begin_install(&update("u2")).is_err());
+        assert!(s.begin_install(&update("a2")).is_err());
         assert!(s.mark_good().is_err());
         assert_eq!(s.on_boot().0, BootAction::Base);
         let s = s.finish_install().unwrap();
@@ -596,7 +777,7 @@ mod tests {
             UpdateError::Refused { .. }
         ));
         let s = State::Installing {
-            update: update("u1"),
+            update: update("a1"),
         };
         st.save(&s).unwrap();
         assert_eq!(Store::open(&path).unwrap().load().unwrap(), s);
@@ -625,5 +806,101 @@ mod tests {
         let e = st.load().unwrap_err();
         assert!(matches!(e, UpdateError::NoState { .. }), "{e}");
         assert!(e.to_string().contains("nothing was changed"));
+    }
+
+    #[test]
+    fn a_state_that_names_other_files_or_paths_is_refused_naming_the_field() {
+        let good = update("a1");
+        type Mutation = Box<dyn Fn(&mut Update)>;
+        let cases: Vec<(&str, Mutation)> = vec![
+            (
+                "cow",
+                Box::new(|u| u.partitions[0].cow = "../victim".into()),
+            ),
+            (
+                "cow",
+                Box::new(|u| u.partitions[0].cow = "/etc/passwd".into()),
+            ),
+            ("cow", Box::new(|u| u.partitions[0].cow = "state".into())),
+            ("name", Box::new(|u| u.partitions[0].name = "../x".into())),
+            (
+                "verity.file",
+                Box::new(|u| u.partitions[0].verity.as_mut().unwrap().file = "../t".into()),
+            ),
+            (
+                "verity.root_hash",
+                Box::new(|u| u.partitions[0].verity.as_mut().unwrap().root_hash = "zz".into()),
+            ),
+            (
+                "base",
+                Box::new(|u| u.partitions[0].base = "rel/base.img".into()),
+            ),
+            (
+                "base",
+                Box::new(|u| u.partitions[0].base = "/dev/../etc/x".into()),
+            ),
+            ("update.id", Box::new(|u| u.id = "x".into())),
+            (
+                "named twice",
+                Box::new(|u| {
+                    let p = u.partitions[0].clone();
+                    u.partitions.push(p)
+                }),
+            ),
+            ("empty", Box::new(|u| u.partitions.clear())),
+        ];
+        for (field, mutate) in cases {
+            let mut u = good.clone();
+            mutate(&mut u);
+            let bytes = encode_state(&State::Installed {
+                update: u,
+                boot_attempts: 0,
+            });
+            let e = parse_state(&bytes, Path::new("st")).unwrap_err();
+            assert!(matches!(e, UpdateError::Corrupt { .. }), "{e}");
+            assert!(e.to_string().contains(field), "{field}: {e}");
+        }
+    }
+
+    #[test]
+    fn the_store_is_never_written_or_read_through_a_planted_link() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("store");
+        let st = Store::init(&path).unwrap();
+        let victim = d.path().join("victim");
+        std::fs::write(&victim, b"keep").unwrap();
+        std::os::unix::fs::symlink(&victim, path.join(".state.tmp")).unwrap();
+        st.save(&State::None).unwrap();
+        assert_eq!(std::fs::read(&victim).unwrap(), b"keep");
+        std::os::unix::fs::symlink(&victim, path.join("system.cow")).unwrap();
+        let e = st.open_file("system.cow").unwrap_err();
+        assert!(e.to_string().contains("symbolic link"), "{e}");
+        std::fs::remove_file(path.join(STATE_FILE)).unwrap();
+        std::os::unix::fs::symlink(&victim, path.join(STATE_FILE)).unwrap();
+        assert!(st.load().is_err());
+        // A folder others may write is refused; so is one of another owner.
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let e = Store::open(&path).unwrap_err();
+        assert!(e.to_string().contains("mode 0777"), "{e}");
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o700)).unwrap();
+        if rustix::process::geteuid().is_root() {
+            std::os::unix::fs::chown(&path, Some(4242), None).unwrap();
+            let e = Store::open(&path).unwrap_err();
+            assert!(e.to_string().contains("owned by user 4242"), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_resumed_install_with_other_bases_or_options_is_refused() {
+        let u = update("a1");
+        let s = State::None.begin_install(&u).unwrap();
+        let mut other = u.clone();
+        other.partitions[0].base = "/dev/vdb".into();
+        let e = s.begin_install(&other).unwrap_err();
+        assert!(e.contains("system=/dev/vda"), "{e}");
+        let mut other = u.clone();
+        other.max_boot_attempts = 5;
+        assert!(s.begin_install(&other).is_err());
     }
 }

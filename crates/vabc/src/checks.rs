@@ -147,9 +147,35 @@ pub fn check_base(
             Progress::Complete { .. } => {
                 "; a merged COW is used up: it cannot be applied to another device's old image"
             }
-            _ => "; wrong base image? (--no-base-check skips this check)",
+            _ => {
+                "; is it the right base? Merging or applying this update to another image \
+                 makes one that is neither (--no-base-check would skip this check and do \
+                 exactly that)"
+            }
         };
         mismatch!("{} is not {what}: {mismatch}{hint}", base_path.display());
+    }
+    Ok(())
+}
+
+/// Decodes the payload of every REPLACE and XOR op of `cow`, discarding the result: a
+/// payload that is cut short, does not decompress or decompresses to the wrong size is
+/// found before anything is written.
+pub fn decode_every_op(cow: &CowReader) -> Result<()> {
+    let mut buf = Vec::new();
+    for (i, op) in cow.ops().iter().enumerate() {
+        if !matches!(op.kind, cow::OpKind::Replace | cow::OpKind::Xor) {
+            continue;
+        }
+        buf.resize(op.unit_size(), 0);
+        cow.read_payload(op, &mut buf).with_context(|| {
+            format!(
+                "{}: op {i} (block {}, data at offset {}) does not decode; nothing was written",
+                cow.path().display(),
+                op.new_block,
+                op.data_offset
+            )
+        })?;
     }
     Ok(())
 }

@@ -121,7 +121,11 @@ fn main() -> std::process::ExitCode {
         Ok(code) => code,
         Err(e) => {
             eprintln!("vabc: error: {}", error_chain(&e));
-            if e.chain().any(|c| c.is::<checks::Mismatch>()) {
+            if e.downcast_ref::<cmd::update::HalfMerged>().is_some()
+                || e.chain().any(|c| c.is::<cmd::update::HalfMerged>())
+            {
+                std::process::ExitCode::from(cmd::update::EXIT_HALF_MERGED)
+            } else if e.chain().any(|c| c.is::<checks::Mismatch>()) {
                 std::process::ExitCode::from(checks::EXIT_MISMATCH)
             } else {
                 std::process::ExitCode::FAILURE

@@ -470,6 +470,16 @@ fn a_verity_bundle_installs_the_tree_veritysetup_makes_and_checks_its_root() {
     assert_eq!(c, Some(0), "{e}");
     assert_eq!(std::fs::read(&tree).unwrap(), std::fs::read(&want).unwrap());
 
+    // A tree with the right superblock but an altered hash block is not reused on
+    // resume: it is checked against the signed root hash, and made anew.
+    let mut bytes = std::fs::read(&want).unwrap();
+    let last = bytes.len() - 4096;
+    bytes[last + 7] ^= 0xff;
+    std::fs::write(&tree, &bytes).unwrap();
+    let (c, e) = install_code(&bundle, &parts[0].1, &out, Some(&public));
+    assert_eq!(c, Some(0), "{e}");
+    assert_eq!(std::fs::read(&tree).unwrap(), std::fs::read(&want).unwrap());
+
     // The served image verifies against the signed root hash.
     ok(&["verity", "verify", s(&parts[0].2), s(&tree), root]);
 

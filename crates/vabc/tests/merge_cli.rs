@@ -26,6 +26,7 @@ fn merge_vectors_with_both_engines_pause_and_resume() {
             // Pause after one commit (the first window), then resume.
             let o = run_vabc(&[
                 "merge",
+                "--without-manifest",
                 "--base",
                 b,
                 "--cow",
@@ -41,14 +42,22 @@ fn merge_vectors_with_both_engines_pause_and_resume() {
             assert!(String::from_utf8_lossy(&o.stdout).contains("paused after 3"));
             assert_ne!(sha256_file(&base), EXPECTED_SHA);
             let o = run_vabc(&[
-                "merge", "--base", b, "--cow", c, "--engine", engine, "--json",
+                "merge",
+                "--without-manifest",
+                "--base",
+                b,
+                "--cow",
+                c,
+                "--engine",
+                engine,
+                "--json",
             ]);
             assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
             let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
             assert_eq!(v["started_at"], 3);
             assert_eq!(v["complete"], true);
             assert_eq!(sha256_file(&base), EXPECTED_SHA, "{name} {engine}");
-            let o = run_vabc(&["merge", "--base", b, "--cow", c]);
+            let o = run_vabc(&["merge", "--without-manifest", "--base", b, "--cow", c]);
             assert!(o.status.success());
             assert!(String::from_utf8_lossy(&o.stdout).contains("already complete"));
             assert_eq!(sha256_file(&base), EXPECTED_SHA);
@@ -67,6 +76,7 @@ fn badseq_is_refused_and_nothing_changes() {
     for engine in ["uring", "sync"] {
         let o = run_vabc(&[
             "merge",
+            "--without-manifest",
             "--base",
             base.to_str().unwrap(),
             "--cow",
@@ -107,6 +117,7 @@ fn badseq_is_refused_and_nothing_changes() {
     std::fs::copy(vectors().join("v2_lz4_4096.cow"), &cow).unwrap();
     let o = run_vabc(&[
         "merge",
+        "--without-manifest",
         "--base",
         small.to_str().unwrap(),
         "--cow",
@@ -142,6 +153,7 @@ fn merge_tiny_corpus_pair_with_both_engines() {
         std::fs::copy(&cow, &c).unwrap();
         let o = run_vabc(&[
             "merge",
+            "--without-manifest",
             "--base",
             base.to_str().unwrap(),
             "--cow",
@@ -155,4 +167,46 @@ fn merge_tiny_corpus_pair_with_both_engines() {
         assert_eq!(v["complete"], true);
         assert_eq!(sha256_file(&base), want, "{engine}");
     }
+}
+
+/// A COW without a manifest is not merged unless asked; asked, every op is decoded
+/// before the first write: AOSP's own v2 fixture, whose record says one op is merged
+/// already (so no proof of the result runs), with one REPLACE payload cut to 4095
+/// bytes, leaves the base as it was.
+#[test]
+fn a_cow_without_a_manifest_is_merged_only_when_asked_and_decoded_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = dir.path().join("base.img");
+    let cow = dir.path().join("u.cow");
+    std::fs::copy(vectors().join("base.img"), &base).unwrap();
+    let mut c = std::fs::read(vectors().join("aosp-testdata/cow_v2")).unwrap();
+    // The REPLACE record of block 2: type 2, no compression, 4096 bytes.
+    let at = (0..c.len() - 20)
+        .find(|&i| {
+            c[i] == 2 && c[i + 2..i + 4] == [0, 0x10] && c[i + 4..i + 12] == 2u64.to_le_bytes()
+        })
+        .unwrap();
+    c[at + 2..at + 4].copy_from_slice(&4095u16.to_le_bytes());
+    std::fs::write(&cow, &c).unwrap();
+    let before = sha256_file(&base);
+    let (b, cw) = (base.to_str().unwrap(), cow.to_str().unwrap());
+    let o = run_vabc(&["merge", "--base", b, "--cow", cw]);
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{e}");
+    assert!(
+        e.contains("no manifest") && e.contains("vabc manifest"),
+        "{e}"
+    );
+    let o = run_vabc(&["merge", "--without-manifest", "--base", b, "--cow", cw]);
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{e}");
+    assert!(
+        e.contains("does not decode") && e.contains("nothing was written"),
+        "{e}"
+    );
+    assert_eq!(
+        sha256_file(&base),
+        before,
+        "the base was written before the COW was decoded"
+    );
 }

@@ -55,20 +55,7 @@ impl Device {
         );
         let base = d.join("base.img");
         std::fs::copy(&old, &base).unwrap();
-        let key = d.join("k.pem");
-        let public = d.join("k.pub.pem");
-        for args in [
-            &["genpkey", "-algorithm", "ed25519", "-out", s(&key)][..],
-            &["pkey", "-in", s(&key), "-pubout", "-out", s(&public)][..],
-        ] {
-            assert!(
-                Command::new("openssl")
-                    .args(args)
-                    .status()
-                    .unwrap()
-                    .success()
-            );
-        }
+        let (key, public) = keypair(d, "k");
         let bundle = d.join("u.vabc");
         let p = format!("system={},{}", old.display(), new.display());
         ok(&[
@@ -94,6 +81,54 @@ impl Device {
             new_sha: sha256_file(&new),
             dir,
         }
+    }
+
+    /// Another signed --verity bundle of the same update, made with `extra` options
+    /// (and the environment `env`).
+    fn bundle_with(&self, name: &str, extra: &[&str], env: &[(&str, &str)]) -> PathBuf {
+        let out = self.dir.path().join(name);
+        let key = self.dir.path().join("k.pem");
+        let p = format!(
+            "system={},{}",
+            corpus_image("tiny", "old", "ext4").display(),
+            corpus_image("tiny", "new", "ext4").display()
+        );
+        let mut args = vec![
+            "bundle",
+            "create",
+            "-p",
+            &p,
+            "-o",
+            s(&out),
+            "--key",
+            s(&key),
+            "--verity",
+        ];
+        args.extend_from_slice(extra);
+        let o = Command::new(vabc())
+            .args(&args)
+            .envs(env.iter().copied())
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        out
+    }
+
+    /// Replaces the installed COW (and its manifest) with one of the tiny pair's old
+    /// image to `evil`, as someone who can write the data partition would.
+    fn swap_cow(&self) {
+        let evil = self.dir.path().join("evil.img");
+        let mut img = std::fs::read(corpus_image("tiny", "new", "ext4")).unwrap();
+        img[1 << 20..(1 << 20) + 11].copy_from_slice(b"not signed!");
+        std::fs::write(&evil, &img).unwrap();
+        let old = corpus_image("tiny", "old", "ext4");
+        ok(&[
+            "diff",
+            s(&old),
+            s(&evil),
+            "-o",
+            s(&self.store.join("system.cow")),
+        ]);
     }
 
     fn base_arg(&self) -> String {
@@ -146,8 +181,24 @@ impl Device {
             "fuse",
             "--run-dir",
             s(&self.run),
+            "--key",
+            s(&self.public),
             "--json",
         ]))
+    }
+
+    /// `mark-good` as the new system runs it.
+    fn mark_good(&self) -> std::process::Output {
+        run_vabc(&[
+            "update",
+            "mark-good",
+            "--store",
+            s(&self.store),
+            "--run-dir",
+            s(&self.run),
+            "--key",
+            s(&self.public),
+        ])
     }
 
     /// The power goes: the daemon is stopped (SIGTERM takes its loop device and FUSE
@@ -175,7 +226,12 @@ impl Device {
         assert_eq!(b["state"], "none", "{b}");
         assert_eq!(b["partitions"][0]["served"], false, "{b}");
         assert_eq!(device_of(b), self.base);
-        assert_eq!(self.store_files(), ["state"]);
+        // The version a merge leaves as the floor of the next install stays.
+        let files = self.store_files();
+        assert!(
+            files == ["state"] || files == ["state", "version"],
+            "{files:?}"
+        );
         assert_eq!(sha256_file(&self.base), sha);
     }
 
@@ -194,6 +250,20 @@ impl Drop for Device {
         self.power_off();
         let _ = &self.dir;
     }
+}
+
+/// An Ed25519 key pair in `dir`: NAME.pem and NAME.pub.pem.
+fn keypair(dir: &Path, name: &str) -> (PathBuf, PathBuf) {
+    let key = dir.join(format!("{name}.pem"));
+    let public = dir.join(format!("{name}.pub.pem"));
+    for args in [
+        &["genpkey", "-algorithm", "ed25519", "-out", s(&key)][..],
+        &["pkey", "-in", s(&key), "-pubout", "-out", s(&public)][..],
+    ] {
+        let st = Command::new("openssl").args(args).status().unwrap();
+        assert!(st.success());
+    }
+    (key, public)
 }
 
 fn json_text(t: &str) -> serde_json::Value {
@@ -215,19 +285,13 @@ fn an_update_boots_from_its_cow_merges_once_marked_good_and_leaves_a_clean_store
             "state",
             "system.cow",
             "system.cow.manifest",
-            "system.verity"
+            "system.verity",
+            "update.head"
         ]
     );
 
     // Not before this boot runs the update.
-    let o = run_vabc(&[
-        "update",
-        "mark-good",
-        "--store",
-        s(&d.store),
-        "--run-dir",
-        s(&d.run),
-    ]);
+    let o = d.mark_good();
     assert_eq!(o.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&o.stderr).contains("does not run the update"));
     assert_eq!(d.state()["state"], "installed");
@@ -250,14 +314,8 @@ fn an_update_boots_from_its_cow_merges_once_marked_good_and_leaves_a_clean_store
     );
 
     // Rollback is allowed now; mark-good instead, and the daemon merges while serving.
-    ok(&[
-        "update",
-        "mark-good",
-        "--store",
-        s(&d.store),
-        "--run-dir",
-        s(&d.run),
-    ]);
+    let o = d.mark_good();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let t = Instant::now();
     while d.state()["state"] != "merged" {
         assert!(t.elapsed() < Duration::from_secs(120), "{}", d.state());
@@ -273,9 +331,11 @@ fn an_update_boots_from_its_cow_merges_once_marked_good_and_leaves_a_clean_store
     assert_eq!(o.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&o.stderr).contains("nothing to roll back to"));
 
-    // The next boot mounts the base and removes the COW.
+    // The next boot mounts the base and removes the COW; the version merged stays,
+    // the floor of the next install.
     d.power_off();
     d.assert_booted_base(&d.boot(), &d.new_sha);
+    assert_eq!(d.store_files(), ["state", "version"]);
 }
 
 #[test]
@@ -398,16 +458,21 @@ fn a_damaged_cow_in_the_store_boots_the_base_until_it_is_rolled_back() {
             "fuse",
             "--run-dir",
             s(&d.run),
+            "--key",
+            s(&d.public),
             "--json",
         ])
     };
-    // Each boot says why it cannot serve the update, serves nothing (the initramfs
-    // hook then boots the base), and counts the attempt.
+    // Each boot says why it cannot serve the update, serves nothing but the base
+    // (the old system), and counts the attempt.
     for attempt in 1..=2 {
         let o = boot();
         let e = String::from_utf8_lossy(&o.stderr);
-        assert_eq!(o.status.code(), Some(1), "{e}");
+        assert_eq!(o.status.code(), Some(0), "{e}");
         assert!(e.contains("system.cow"), "{e}");
+        let b = json(&o);
+        assert_eq!(b["partitions"][0]["served"], false, "{b}");
+        assert_eq!(device_of(&b), d.base);
         assert!(!d.run.join("system.ready").exists());
         assert_eq!(d.state()["boot_attempts"], attempt);
         assert_eq!(sha256_file(&d.base), d.old_sha);
@@ -556,4 +621,373 @@ fn an_install_reads_a_mounted_ext4_base_as_the_disk_holds_it() {
         2,
         "the COW and its manifest"
     );
+}
+
+#[test]
+fn a_cow_swapped_after_install_is_not_booted_and_the_update_rolls_back() {
+    let d = Device::new();
+    d.install();
+    d.swap_cow();
+    for attempt in 1..=2 {
+        let b = d.boot();
+        assert_eq!(b["partitions"][0]["served"], false, "{b}");
+        assert_eq!(device_of(&b), d.base);
+        let note = b["note"].as_str().unwrap();
+        assert!(note.contains("altered after it was installed"), "{note}");
+        assert_eq!(b["boot_attempts"], attempt);
+    }
+    let b = d.boot();
+    assert!(b["note"].as_str().unwrap().contains("rolled back"), "{b}");
+    d.assert_booted_base(&b, &d.old_sha);
+}
+
+#[test]
+fn a_cow_swapped_after_mark_good_is_not_merged_and_the_base_is_unchanged() {
+    let d = Device::new();
+    d.install();
+    let b = d.boot();
+    assert_eq!(sha256_file(&device_of(&b)), d.new_sha);
+    // The power goes before the daemon has merged anything; the COW is swapped.
+    d.power_off();
+    let o = d.mark_good();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    d.power_off();
+    assert_eq!(sha256_file(&d.base), d.old_sha);
+    d.swap_cow();
+    // The next boot must merge, cannot prove the COW: it mounts nothing (exit 4),
+    // writes nothing.
+    let o = run_vabc(&[
+        "update",
+        "boot",
+        "--store",
+        s(&d.store),
+        "-b",
+        &d.base_arg(),
+        "--frontend",
+        "fuse",
+        "--run-dir",
+        s(&d.run),
+        "--key",
+        s(&d.public),
+    ]);
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(4), "{e}");
+    assert!(
+        e.contains("no root to mount") && e.contains("altered"),
+        "{e}"
+    );
+    assert!(o.stdout.is_empty());
+    assert_eq!(sha256_file(&d.base), d.old_sha, "nothing merged");
+    assert_eq!(d.state()["state"], "merging");
+}
+
+#[test]
+fn another_key_or_a_stored_head_not_the_states_is_not_booted() {
+    let d = Device::new();
+    d.install();
+    // A key the update was not signed with.
+    let (_, other_pub) = keypair(d.dir.path(), "other");
+    let boot_with = |key: &Path| {
+        json(&ok(&[
+            "update",
+            "boot",
+            "--store",
+            s(&d.store),
+            "--frontend",
+            "fuse",
+            "--run-dir",
+            s(&d.run),
+            "--key",
+            s(key),
+            "--json",
+        ]))
+    };
+    let b = boot_with(&other_pub);
+    assert_eq!(b["partitions"][0]["served"], false, "{b}");
+    assert!(b["note"].as_str().unwrap().contains("signature"), "{b}");
+    // No key at all (an empty keyring) is no way around it either.
+    let empty = d.dir.path().join("keys");
+    std::fs::create_dir(&empty).unwrap();
+    let o = run_vabc(&[
+        "update",
+        "mark-good",
+        "--store",
+        s(&d.store),
+        "--run-dir",
+        s(&d.run),
+        "--keyring",
+        s(&empty),
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("no trusted public key"));
+    // A stored head swapped for another signed bundle's: not the update the state names.
+    let again = d.bundle_with("again.vabc", &[], &[]);
+    let bytes = std::fs::read(&again).unwrap();
+    let head_len = 32
+        + u32::from_le_bytes(bytes[16..20].try_into().unwrap()) as usize
+        + u32::from_le_bytes(bytes[20..24].try_into().unwrap()) as usize;
+    std::fs::write(d.store.join("update.head"), &bytes[..head_len]).unwrap();
+    let b = d.boot();
+    assert_eq!(b["partitions"][0]["served"], false, "{b}");
+    assert!(
+        b["note"]
+            .as_str()
+            .unwrap()
+            .contains("the state names update"),
+        "{b}"
+    );
+    // Bytes after the signed head are refused too.
+    let mut long = std::fs::read(&d.bundle).unwrap();
+    long.truncate(head_len);
+    long.extend_from_slice(b"tail");
+    std::fs::write(d.store.join("update.head"), &long).unwrap();
+    assert_eq!(d.boot()["partitions"][0]["served"], false);
+    assert_eq!(sha256_file(&d.base), d.old_sha);
+}
+
+#[test]
+fn a_state_file_cannot_steer_file_operations() {
+    let d = Device::new();
+    d.install();
+    let victim = d.dir.path().join("victim");
+    std::fs::write(&victim, b"keep").unwrap();
+    std::fs::write(d.dir.path().join("victim.manifest"), b"keep").unwrap();
+    let state_path = d.store.join("state");
+    let good = std::fs::read_to_string(&state_path).unwrap();
+    for (field, evil) in [
+        ("\"system.cow\"", "\"../victim\"".to_string()),
+        (
+            "\"system.cow\"",
+            format!("{:?}", victim.display().to_string()),
+        ),
+        ("\"system.verity\"", "\"../victim\"".to_string()),
+    ] {
+        std::fs::write(&state_path, good.replacen(field, &evil, 1)).unwrap();
+        for sub in ["rollback", "status", "boot"] {
+            let o = run_vabc(&["update", sub, "--store", s(&d.store)]);
+            let e = String::from_utf8_lossy(&o.stderr);
+            assert_eq!(o.status.code(), Some(1), "{sub}: {e}");
+            assert!(
+                e.contains("damaged") && e.contains("update.partitions[0]"),
+                "{sub}: {e}"
+            );
+        }
+        assert_eq!(std::fs::read(&victim).unwrap(), b"keep");
+    }
+    std::fs::write(&state_path, &good).unwrap();
+    // A planted link where the state's temporary file goes is not written through.
+    std::os::unix::fs::symlink(&victim, d.store.join(".state.tmp")).unwrap();
+    ok(&["update", "rollback", "--store", s(&d.store)]);
+    assert_eq!(std::fs::read(&victim).unwrap(), b"keep");
+    assert_eq!(d.store_files(), ["state"]);
+    // A store folder others may write is refused before anything is read.
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&d.store, std::fs::Permissions::from_mode(0o757)).unwrap();
+    let o = run_vabc(&["update", "status", "--store", s(&d.store)]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("chmod go-w"));
+}
+
+#[test]
+fn an_update_that_does_not_go_forward_is_refused() {
+    let d = Device::new();
+    let install = |bundle: &Path, extra: &[&str]| {
+        let mut args = d.install_args(bundle);
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let o = run_vabc(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        (
+            o.status.code(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+        )
+    };
+    let v = |n: &str, extra: &[&str]| {
+        let mut a = vec!["--release-version", n];
+        a.extend_from_slice(extra);
+        d.bundle_with(&format!("v{n}.vabc"), &a, &[])
+    };
+    // The device runs version 10 (the store's record of its last merge).
+    std::fs::write(d.store.join("version"), "10\n").unwrap();
+    for (bundle, extra, code, says) in [
+        (v("9", &[]), &[][..], Some(3), "--allow-downgrade"),
+        (v("10", &[]), &[], Some(3), "installed already"),
+        (
+            v("8", &["--no-downgrade"]),
+            &["--allow-downgrade"],
+            Some(3),
+            "forbids",
+        ),
+    ] {
+        let (c, e) = install(&bundle, extra);
+        assert_eq!(c, code, "{e}");
+        assert!(e.contains(says) && e.contains("version 10"), "{e}");
+        assert_eq!(d.state()["state"], "none");
+    }
+    // The running image's own version file counts too.
+    let vf = d.dir.path().join("image-version");
+    std::fs::write(&vf, "20\n").unwrap();
+    let (c, e) = install(&v("15", &[]), &["--version-file", s(&vf)]);
+    assert_eq!(c, Some(3), "{e}");
+    assert!(e.contains("version 20"), "{e}");
+    // An expired bundle (built at second 1000, valid a day).
+    let old = d.bundle_with(
+        "old.vabc",
+        &["--expires", "+1d"],
+        &[("SOURCE_DATE_EPOCH", "1000")],
+    );
+    let (c, e) = install(&old, &[]);
+    assert_eq!(c, Some(3), "{e}");
+    assert!(e.contains("expired"), "{e}");
+    // A downgrade asked for, and a newer version, install.
+    let (c, e) = install(&v("9", &[]), &["--allow-downgrade"]);
+    assert_eq!(c, Some(0), "{e}");
+    ok(&["update", "rollback", "--store", s(&d.store)]);
+    let v11 = v("11", &[]);
+    let (c, e) = install(&v11, &[]);
+    assert_eq!(c, Some(0), "{e}");
+    // A resumed install with another base is refused, naming the one it began with.
+    let state_path = d.store.join("state");
+    let st = std::fs::read_to_string(&state_path).unwrap();
+    let begun = st.replace("\"installed\"", "\"installing\"");
+    std::fs::write(&state_path, begun).unwrap();
+    let copy = d.dir.path().join("copy.img");
+    std::fs::copy(&d.base, &copy).unwrap();
+    let mut args = d.install_args(&v11);
+    args[6] = format!("system={}", copy.display());
+    let o = run_vabc(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{e}");
+    assert!(
+        e.contains("begun with other bases") && e.contains(s(&d.base)),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_base_of_another_size_is_not_the_partition() {
+    let d = Device::new();
+    // The partition holds the old image and 4 KiB more.
+    let f = std::fs::OpenOptions::new()
+        .append(true)
+        .open(&d.base)
+        .unwrap();
+    f.set_len(f.metadata().unwrap().len() + 4096).unwrap();
+    let args = d.install_args(&d.bundle);
+    let o = run_vabc(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(3), "{e}");
+    assert!(
+        e.contains("not the partition the bundle was made for"),
+        "{e}"
+    );
+    assert_eq!(d.store_files(), ["state"]);
+    // A bundle made from a shorter (or empty) OLD is refused where it is made.
+    let empty = d.dir.path().join("empty.img");
+    std::fs::write(&empty, b"").unwrap();
+    let p = format!(
+        "system={},{}",
+        empty.display(),
+        corpus_image("tiny", "new", "ext4").display()
+    );
+    let o = run_vabc(&[
+        "bundle",
+        "create",
+        "-p",
+        &p,
+        "-o",
+        s(&d.dir.path().join("e.vabc")),
+        "--unsigned",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("larger than OLD"));
+}
+
+#[test]
+fn a_bundle_without_verity_is_no_device_update() {
+    let d = Device::new();
+    let key = d.dir.path().join("k.pem");
+    let plain = d.dir.path().join("plain.vabc");
+    let p = format!(
+        "system={},{}",
+        corpus_image("tiny", "old", "ext4").display(),
+        corpus_image("tiny", "new", "ext4").display()
+    );
+    ok(&[
+        "bundle",
+        "create",
+        "-p",
+        &p,
+        "-o",
+        s(&plain),
+        "--key",
+        s(&key),
+    ]);
+    let args = d.install_args(&plain);
+    let o = run_vabc(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(3), "{e}");
+    assert!(e.contains("--verity"), "{e}");
+    assert_eq!(d.store_files(), ["state"]);
+}
+
+#[test]
+fn the_boot_hook_never_mounts_a_half_merged_base() {
+    let d = Device::new();
+    d.install();
+    let hook = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../packaging/initramfs/vabc-boot.sh");
+    // The data partition, mounted already (a bind mount of the test's folder).
+    let mnt = d.dir.path();
+    assert!(
+        Command::new("mount")
+            .args(["--bind", s(mnt), s(mnt)])
+            .status()
+            .unwrap()
+            .success()
+    );
+    struct Unmount<'a>(&'a Path);
+    impl Drop for Unmount<'_> {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").arg(self.0).status();
+        }
+    }
+    let _bound = Unmount(mnt);
+    // ublk is not on this machine: the update cannot be served through it.
+    let hook_run = |store_dev: &str, store_mnt: &Path| {
+        Command::new("sh")
+            .arg(&hook)
+            .args([store_dev, s(store_mnt), "store", &d.base_arg()])
+            .args([
+                "--frontend",
+                "ublk",
+                "--run-dir",
+                s(&d.run),
+                "--key",
+                s(&d.public),
+            ])
+            .env("VABC", vabc())
+            .output()
+            .unwrap()
+    };
+    // Installed: the base is untouched, so it boots, the attempt counted.
+    let o = hook_run("/dev/null", mnt);
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(0), "{e}");
+    assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), s(&d.base));
+    assert!(e.contains("cannot be served"), "{e}");
+    assert_eq!(d.state()["boot_attempts"], 1);
+    // Marked good in a boot that served it; the power goes before the daemon merges.
+    d.boot();
+    d.power_off();
+    assert!(d.mark_good().status.success());
+    assert_eq!(d.state()["state"], "merging");
+    let o = hook_run("/dev/null", mnt);
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(4), "{e}");
+    assert!(o.stdout.is_empty(), "{e}");
+    assert!(e.contains("may be half merged"), "{e}");
+    // A store partition that cannot be mounted says nothing of the state: no base.
+    let elsewhere = d.dir.path().join("not-mounted");
+    let o = hook_run("/dev/vabc-no-such-device", &elsewhere);
+    assert_eq!(o.status.code(), Some(4));
+    assert!(o.stdout.is_empty());
+    assert_eq!(sha256_file(&d.base), d.old_sha);
 }

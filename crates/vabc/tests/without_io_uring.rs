@@ -86,12 +86,29 @@ fn merge_runs_on_the_sync_engine() {
     let (b, c) = (base.to_str().unwrap(), cow.to_str().unwrap());
     let _off = IoUringDisabled::new();
     let (b0, c0) = (sha256_file(&base), sha256_file(&cow));
-    let o = run_vabc(&["merge", "--base", b, "--cow", c, "--engine", "uring"]);
+    let o = run_vabc(&[
+        "merge",
+        "--without-manifest",
+        "--base",
+        b,
+        "--cow",
+        c,
+        "--engine",
+        "uring",
+    ]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success(), "{err}");
     assert!(err.contains("cannot set up io_uring"), "{err}");
     assert_eq!((sha256_file(&base), sha256_file(&cow)), (b0, c0));
-    let o = run_vabc(&["merge", "--base", b, "--cow", c, "--json"]);
+    let o = run_vabc(&[
+        "merge",
+        "--without-manifest",
+        "--base",
+        b,
+        "--cow",
+        c,
+        "--json",
+    ]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{err}");
     assert!(err.contains("merging with the sync engine"), "{err}");

@@ -35,4 +35,4 @@ pub use params::{
 };
 pub use superblock::{Superblock, format_uuid, parse_uuid, random_bytes, random_uuid};
 pub use verifier::BlockVerifier;
-pub use verify::{verify_in_memory, verify_tree};
+pub use verify::{verify_in_memory, verify_levels, verify_tree};

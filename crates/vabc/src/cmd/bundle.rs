@@ -105,9 +105,61 @@ struct CreateArgs {
     /// Salt of the --verity trees, hex or "-" for none (default: 32 random bytes).
     #[arg(long, value_name = "HEX|-", requires = "verity")]
     verity_salt: Option<String>,
+    /// The release's version, signed: a device refuses a bundle whose version is not
+    /// greater than the one it runs. Default: the build time in seconds since 1970
+    /// ($SOURCE_DATE_EPOCH when set), as update_engine's max_timestamp.
+    #[arg(long, value_name = "N")]
+    release_version: Option<u64>,
+    /// Refuse the bundle after this time: seconds since 1970, or +DAYSd after the
+    /// build (a device kept from newer releases stops installing this one).
+    #[arg(long, value_name = "SECONDS|+DAYSd")]
+    expires: Option<String>,
+    /// Never install this bundle over a newer version, even with `update install
+    /// --allow-downgrade`.
+    #[arg(long)]
+    no_downgrade: bool,
     /// Print a JSON report on stdout.
     #[arg(long)]
     json: bool,
+}
+
+/// The release a bundle states, from `create`'s options.
+fn release_of(a: &CreateArgs) -> Result<bundle::Release> {
+    let build_timestamp = match std::env::var("SOURCE_DATE_EPOCH") {
+        Ok(v) => v
+            .trim()
+            .parse::<u64>()
+            .with_context(|| format!("SOURCE_DATE_EPOCH={v:?}: not a number of seconds"))?,
+        Err(_) => std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+    };
+    let expires = match a.expires.as_deref() {
+        None => None,
+        Some(e) => Some(
+            match e.strip_prefix('+').and_then(|d| d.strip_suffix('d')) {
+                Some(days) => days
+                    .parse::<u64>()
+                    .ok()
+                    .and_then(|d| d.checked_mul(86_400))
+                    .and_then(|s| s.checked_add(build_timestamp)),
+                None => e.parse::<u64>().ok(),
+            }
+            .with_context(|| format!("--expires {e:?}: seconds since 1970, or +DAYSd"))?,
+        ),
+    };
+    if let Some(t) = expires
+        && t <= build_timestamp
+    {
+        bail!("--expires {t}: not after the build time {build_timestamp}");
+    }
+    Ok(bundle::Release {
+        version: a.release_version.unwrap_or(build_timestamp),
+        build_timestamp,
+        expires,
+        no_downgrade: a.no_downgrade,
+    })
 }
 
 #[derive(clap::Args)]
@@ -318,7 +370,9 @@ fn create(a: CreateArgs) -> Result<ExitCode> {
         }
         parts.push((name, PathBuf::from(old), PathBuf::from(new)));
     }
+    let release = release_of(&a)?;
     let mut writer = BundleWriter::new(&a.output)?;
+    writer.set_release(release);
     let work = tempfile::Builder::new()
         .prefix(".vabc-bundle.")
         .tempdir_in(
@@ -406,6 +460,19 @@ fn create_partition(
 ) -> Result<Partition> {
     let old = ImageFile::open(old_path, false)?;
     let new = ImageFile::open(new_path, false)?;
+    {
+        if new.size() > old.size() {
+            bail!(
+                "{}: NEW is {} bytes, larger than OLD {} ({} bytes), which the bundle takes as \
+                 the whole partition (the device's base must be exactly as large); give OLD as \
+                 the partition it will be, padded to its size (`truncate -s SIZE` on a copy)",
+                new_path.display(),
+                new.size(),
+                old_path.display(),
+                old.size()
+            );
+        }
+    }
     let bar = Bar::new();
     let popts = PlanOptions {
         xor: !a.no_xor,
@@ -483,6 +550,9 @@ fn create_partition(
     };
     let c = plan.census;
     Ok(Partition {
+        // OLD is the whole partition: the device's base must be as large, so that
+        // the base identity covers every byte of it.
+        partition_size: image.base.size,
         name: name.to_string(),
         image,
         cow: CowParams {
@@ -796,9 +866,9 @@ fn install(a: InstallArgs) -> Result<Vec<Installed>> {
         &a.bundle,
         &a.bases,
         &a.out_dir,
-        &key,
+        trust(&key),
         a.threads,
-        &mut |_, _| Ok(()),
+        &mut |_, _, _| Ok(()),
     )?;
     if a.json {
         let out = serde_json::json!({
@@ -835,18 +905,23 @@ fn install(a: InstallArgs) -> Result<Vec<Installed>> {
     Ok(done)
 }
 
+/// What `install_into` calls once everything is checked: the manifest, the bundle's
+/// signed head, each partition's base.
+pub(crate) type OnChecked<'a> = dyn FnMut(&BundleManifest, &[u8], &[PathBuf]) -> Result<()> + 'a;
+
 /// Installs the bundle at `bundle_path` into `out_dir` (see `install`); `on_checked`
 /// runs once the signature, every base and the free space are checked, before
-/// anything is written (an error there writes nothing).
+/// anything is written (an error there writes nothing), with the manifest and the
+/// bundle's signed head.
 pub(crate) fn install_into(
     bundle_path: &Path,
     base_specs: &[String],
     out_dir: &Path,
-    key: &Option<PublicKey>,
+    trust: Trust<'_>,
     threads: usize,
-    on_checked: &mut dyn FnMut(&BundleManifest, &[PathBuf]) -> Result<()>,
+    on_checked: &mut OnChecked<'_>,
 ) -> Result<Vec<Installed>> {
-    let mut r = BundleReader::open(open_input(bundle_path)?, bundle_path, trust(key))?;
+    let mut r = BundleReader::open(open_input(bundle_path)?, bundle_path, trust)?;
     // A bundle file too short for its payloads is refused before anything is
     // written (a stream finds out as it reads, and leaves only temporary files).
     if let Ok(md) = std::fs::metadata(bundle_path)
@@ -877,7 +952,7 @@ pub(crate) fn install_into(
         .collect::<Result<Vec<_>>>()?;
     let spooling = is_url(bundle_path);
     check_space(r.manifest(), out_dir, spooling)?;
-    on_checked(r.manifest(), &bases)?;
+    on_checked(r.manifest(), r.head(), &bases)?;
     let mut done = Vec::new();
     let mut i = 0;
     while let Some((part, mut stream)) = r.payload() {
@@ -1073,29 +1148,8 @@ fn read_plan<R: std::io::Read>(
     part: &Partition,
     bundle_path: &Path,
 ) -> Result<delta::Plan> {
-    let mut len = [0u8; 8];
-    stream
-        .read_exact(&mut len)
-        .with_context(|| format!("{}: read the plan of {}", bundle_path.display(), part.name))?;
-    let plan_len = u64::from_le_bytes(len);
-    if plan_len.checked_add(8) != Some(part.payload.plan_length) {
-        bail!(
-            "{}: offset {}: partition {}: plan of {plan_len} bytes, the manifest says {}",
-            bundle_path.display(),
-            stream.position() - 8,
-            part.name,
-            part.payload.plan_length.saturating_sub(8)
-        );
-    }
-    let mut plan_bytes = vec![0u8; plan_len as usize];
-    let at = stream.position();
-    stream.read_exact(&mut plan_bytes).with_context(|| {
-        format!(
-            "{}: offset {at}: read the plan of {}",
-            bundle_path.display(),
-            part.name
-        )
-    })?;
+    let at = stream.position() + 8;
+    let plan_bytes = stream.read_plan()?;
     bundle::plan_wire::decode(&plan_bytes, part.image.new.size).map_err(|msg| {
         anyhow::anyhow!(
             "{}: offset {at}: partition {}: {msg}",
@@ -1161,7 +1215,7 @@ impl verity::ReadAt for ViewAt<'_> {
 }
 
 /// Tree parameters of a signed [`VerityInfo`].
-fn verity_params(v: &VerityInfo) -> Result<(verity::Params, [u8; 16])> {
+pub(crate) fn verity_params(v: &VerityInfo) -> Result<(verity::Params, [u8; 16])> {
     let params = verity::Params {
         format: verity::Format::from_u32(v.format)?,
         algorithm: v.hash_algorithm.parse()?,
@@ -1174,15 +1228,37 @@ fn verity_params(v: &VerityInfo) -> Result<(verity::Params, [u8; 16])> {
     Ok((params, verity::parse_uuid(&v.uuid)?))
 }
 
-/// Whether `path` holds the superblock of the tree `v` describes (its UUID is made
-/// anew for every bundle): left by an install of this bundle that was cut short.
+/// Whether `path` holds the tree `v` describes, whole: left by an install of this
+/// bundle that was cut short. Its superblock must carry the signed parameters (the
+/// UUID is made anew for every bundle) and its levels must hash up to the signed
+/// root hash; a tree that does not is written again, never reused.
 fn has_hashfile(v: &VerityInfo, path: &Path) -> bool {
+    let Ok((params, uuid)) = verity_params(v) else {
+        return false;
+    };
+    let Ok(f) = File::open(path) else {
+        return false;
+    };
     let mut b = vec![0u8; verity::SUPERBLOCK_SIZE as usize];
-    let read = File::open(path).and_then(|mut f| f.read_exact(&mut b));
-    read.is_ok()
-        && verity::Superblock::decode(&b, path, 0).is_ok_and(|sb| {
-            verity::format_uuid(&sb.uuid) == v.uuid && hex::encode(&sb.params.salt) == v.salt
-        })
+    use std::os::unix::fs::FileExt;
+    let sb_ok = f.read_exact_at(&mut b, 0).is_ok()
+        && verity::Superblock::decode(&b, path, 0)
+            .is_ok_and(|sb| sb.uuid == uuid && sb.params == params);
+    let (Ok(root), Ok(md)) = (hex::decode(&v.root_hash), f.metadata()) else {
+        return false;
+    };
+    sb_ok
+        && verity::verify_levels(
+            &params,
+            verity::Input {
+                reader: &f,
+                name: path,
+                len: md.len(),
+            },
+            verity::tree_offset(0, true, params.hash_block_size),
+            &root,
+        )
+        .is_ok()
 }
 
 /// Writes `out_dir/NAME.verity`: the dm-verity tree of partition `p`'s new image, read
@@ -1262,12 +1338,29 @@ pub(crate) fn remove_stale(dir: &Path, name: &str, keep: Option<&Path>) -> Resul
 fn check_base(p: &Partition, base: &Path) -> Result<manifest::ImageId> {
     let (size, read) = base_reader(base)?;
     let want = &p.image.base;
-    if size >= want.size {
-        let id = manifest::ImageId::compute(&read, base, want.size)
-            .with_context(|| format!("check the base {}", base.display()))?;
-        if id.sha256 == want.sha256 {
-            return Ok(id);
-        }
+    let partition = p.partition_bytes();
+    // The identity covers the whole partition: a base of another size (a bundle made
+    // from an empty or a shorter image included) is not the one it was made for.
+    if size != partition {
+        mismatch!(
+            "{} is {size} bytes, but partition {} of this bundle is {partition} bytes: not the \
+             partition the bundle was made for; nothing was written",
+            base.display(),
+            p.name
+        );
+    }
+    if p.image.new.size > partition {
+        mismatch!(
+            "partition {}: the new image ({} bytes) is larger than the partition ({partition} \
+             bytes); nothing was written",
+            p.name,
+            p.image.new.size
+        );
+    }
+    let id = manifest::ImageId::compute(&read, base, want.size)
+        .with_context(|| format!("check the base {}", base.display()))?;
+    if id.sha256 == want.sha256 {
+        return Ok(id);
     }
     let found = want
         .first_mismatch(&read, base, size, |_| true)
@@ -1424,9 +1517,9 @@ fn apply(a: InstallArgs) -> Result<ExitCode> {
         &a.bundle,
         &a.bases,
         work.path(),
-        &key,
+        trust(&key),
         a.threads,
-        &mut |_, _| Ok(()),
+        &mut |_, _, _| Ok(()),
     )?;
     let mut outputs = Vec::new();
     for d in &done {

@@ -58,6 +58,12 @@ pub struct Args {
     /// Pause after this many durable commits (the next run resumes).
     #[arg(long)]
     max_commits: Option<usize>,
+    /// Merge a COW that has no manifest (one from another tool): its base cannot be
+    /// checked, so a wrong base is overwritten with an image that is neither old nor
+    /// new. Every op is still decoded before the first write. `vabc manifest OLD NEW
+    /// --cow COW` makes a manifest instead.
+    #[arg(long)]
+    without_manifest: bool,
     #[command(flatten)]
     check: crate::checks::CheckArgs,
 }
@@ -123,7 +129,23 @@ pub fn run(a: Args) -> Result<ExitCode> {
     // reads every block of the snapshot through dm-verity before it allows a merge).
     let progress = merge::progress::read(&cow)?;
     let manifest = crate::checks::load_manifest(&a.check, &a.cow, &cow)?;
+    if manifest.is_none() && !a.check.no_base_check && !a.without_manifest {
+        anyhow::bail!(
+            "{}: no manifest ({} is missing), so nothing says which base this COW was made \
+             for, and a merge overwrites {} in place: make one with `vabc manifest OLD NEW \
+             --cow {}` (or name it with --manifest); --without-manifest merges without it, \
+             overwriting a wrong base; nothing was written",
+            a.cow.display(),
+            manifest::Manifest::path_for(&a.cow).display(),
+            a.base.display(),
+            a.cow.display()
+        );
+    }
     let t_check = Instant::now();
+    // Every op still to merge decodes before the first write, whatever else is
+    // checked: a payload that does not decode stops the merge with the base intact,
+    // not one window in.
+    crate::checks::decode_every_op(&cow)?;
     if let Some(m) = &manifest {
         crate::checks::check_base(m, progress, &cow, &base, &a.base)?;
     }

@@ -251,6 +251,9 @@ pub(crate) struct MergeTrigger {
     pub start: Box<dyn FnMut() -> bool + Send>,
     /// Called once, when the merge has completed.
     pub done: Box<dyn FnMut() -> anyhow::Result<()> + Send>,
+    /// Checks each block of a published scratch window before it is served or
+    /// written ([`merge::Merge::with_scratch_check`]).
+    pub scratch_check: Option<merge::BlockCheck>,
 }
 
 /// `vabc serve` with a [`MergeTrigger`] (the update daemon's): the merge is made
@@ -293,6 +296,7 @@ pub(crate) fn run_with(args: Args, trigger: Option<MergeTrigger>) -> anyhow::Res
         progress.started(),
         manifest.as_ref(),
         trigger.is_some(),
+        trigger.as_ref().and_then(|t| t.scratch_check.clone()),
     )?;
     let size = engine.size();
     if let Some(check) = open_verity(&args, size)? {
@@ -838,6 +842,7 @@ struct MergeJob {
     /// For a merge not yet started: prove, before its first write, that every op
     /// decodes to the new image (against the manifest when there is one).
     prove: Option<Option<manifest::Manifest>>,
+    scratch_check: Option<merge::BlockCheck>,
 }
 
 impl MergeJob {
@@ -851,6 +856,7 @@ impl MergeJob {
         started: bool,
         manifest: Option<&manifest::Manifest>,
         armed: bool,
+        scratch_check: Option<merge::BlockCheck>,
     ) -> anyhow::Result<Option<MergeJob>> {
         if !args.merge && !started && !armed {
             return Ok(None);
@@ -875,6 +881,10 @@ impl MergeJob {
                 args.base.display()
             ),
         })?;
+        let m = match &scratch_check {
+            Some(c) => m.with_scratch_check(c.clone()),
+            None => m,
+        };
         // Reads only: the device state as the merge left it.
         m.load_status(
             &mut merge::SyncIo::new(ro(&args.base)?, ro(&args.cow)?),
@@ -895,16 +905,18 @@ impl MergeJob {
             cancel: Arc::new(AtomicBool::new(false)),
             handle: None,
             prove: (!started && !args.check.no_base_check).then(|| manifest.cloned()),
+            scratch_check,
         }))
     }
 
     fn start(mut self) -> MergeJob {
-        let (base, cow, status, cancel, prove) = (
+        let (base, cow, status, cancel, prove, scratch_check) = (
             self.base.clone(),
             self.cow.clone(),
             self.status.clone(),
             self.cancel.clone(),
             self.prove.take(),
+            self.scratch_check.clone(),
         );
         let files = self.files.take();
         log::info!(
@@ -928,6 +940,10 @@ impl MergeJob {
             let size = cow::view::file_size(&base_file, &base)?;
             let m = merge::Merge::new(&reader, size, base, merge::MergeOptions::default())?;
             let m = m.with_status(status).with_cancel(cancel);
+            let m = match scratch_check {
+                Some(c) => m.with_scratch_check(c),
+                None => m,
+            };
             Ok(m.run(io.as_mut(), &|_, _| {})?)
         }));
         self

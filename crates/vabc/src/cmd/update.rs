@@ -11,9 +11,192 @@ use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use bundle::sign::PublicKey;
+use bundle::{BundleManifest, Trust};
 use serde::Serialize;
 use sha2::{Digest, Sha256};
-use update::{BootAction, PartitionState, State, Store, Update, VerityRef};
+use update::{
+    BootAction, HEAD_FILE, PartitionState, State, Store, Update, VERSION_FILE, VerityRef,
+};
+
+use crate::checks::mismatch;
+
+/// Where a device keeps the public keys it trusts: outside the store, which whoever
+/// writes the data partition could change (and in the initramfs, for `boot`).
+const DEFAULT_KEYRING: &str = "/etc/vabc/keys";
+
+/// The version of the running image, inside that (verified) image: a floor for the
+/// next install that no writer of the data partition can lower.
+const DEFAULT_VERSION_FILE: &str = "/etc/vabc/version";
+
+/// Exit status of a boot that must not mount anything: the merge has overwritten
+/// part of the base and the update cannot be served (docs/cli.md).
+pub const EXIT_HALF_MERGED: u8 = 4;
+
+/// A boot that must not go on: the base is half merged and the update cannot be
+/// served. Exit status [`EXIT_HALF_MERGED`].
+#[derive(Debug)]
+pub struct HalfMerged(pub String);
+
+impl std::fmt::Display for HalfMerged {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for HalfMerged {}
+
+/// The keys the device trusts.
+#[derive(clap::Args, Clone, Debug)]
+pub(crate) struct DeviceKeys {
+    /// A trusted public key (PEM, `openssl pkey -pubout`); repeat for more. Default:
+    /// every *.pem in --keyring.
+    #[arg(long = "key", value_name = "PUB.pem")]
+    keys: Vec<PathBuf>,
+    /// Folder of the trusted public keys (*.pem), read when no --key is given. It
+    /// must not be in the store: whoever can write the store must not choose them.
+    #[arg(long, value_name = "DIR", default_value = DEFAULT_KEYRING)]
+    keyring: PathBuf,
+    /// Accept an unsigned update (a development device): nothing then vouches for
+    /// what is installed, booted and merged.
+    #[arg(long)]
+    allow_unsigned: bool,
+}
+
+impl DeviceKeys {
+    fn load(&self) -> Result<Vec<PublicKey>> {
+        if !self.keys.is_empty() {
+            return self
+                .keys
+                .iter()
+                .map(|k| PublicKey::load(k).map_err(Into::into))
+                .collect();
+        }
+        let mut paths = match std::fs::read_dir(&self.keyring) {
+            Ok(rd) => rd
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.extension().is_some_and(|x| x == "pem"))
+                .collect::<Vec<_>>(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(e) => {
+                return Err(e)
+                    .with_context(|| format!("read the keyring {}", self.keyring.display()));
+            }
+        };
+        paths.sort();
+        if paths.is_empty() && !self.allow_unsigned {
+            bail!(
+                "no trusted public key: {} holds no *.pem; put the update signer's public key \
+                 there or name it with --key (--allow-unsigned accepts unsigned updates, on a \
+                 development device only)",
+                self.keyring.display()
+            );
+        }
+        paths
+            .iter()
+            .map(|k| PublicKey::load(k).map_err(Into::into))
+            .collect()
+    }
+
+    fn trust<'k>(&self, keys: &'k [PublicKey]) -> Trust<'k> {
+        Trust::AnyOf {
+            keys,
+            unsigned_ok: self.allow_unsigned,
+        }
+    }
+
+    /// The same options, for a process `boot` starts.
+    fn to_args(&self) -> Vec<std::ffi::OsString> {
+        let mut v: Vec<std::ffi::OsString> = Vec::new();
+        for k in &self.keys {
+            v.push("--key".into());
+            v.push(k.clone().into());
+        }
+        v.push("--keyring".into());
+        v.push(self.keyring.clone().into());
+        if self.allow_unsigned {
+            v.push("--allow-unsigned".into());
+        }
+        v
+    }
+}
+
+/// Largest signed head read back from a store.
+const MAX_HEAD: u64 = bundle::HEADER_SIZE as u64 + bundle::format::MAX_MANIFEST as u64 + 64;
+
+/// The installed update's signed manifest: the stored head's signature checked
+/// again with the device's keys, the head being the one the state names, and the
+/// update's partitions the manifest's. Every identity a boot or a merge uses comes
+/// from here, not from the state file.
+fn signed_manifest(store: &Store, update: &Update, keys: &DeviceKeys) -> Result<BundleManifest> {
+    let path = store.path().join(HEAD_FILE);
+    let head = store.read_file(HEAD_FILE, MAX_HEAD)?;
+    let id = hex::encode(Sha256::digest(&head));
+    if id != update.id {
+        mismatch!(
+            "{}: the stored head is update {id}, the state names update {}: the store was \
+             altered",
+            path.display(),
+            update.id
+        );
+    }
+    let trusted = keys.load()?;
+    let (m, _) = bundle::read_head(&head, &path, keys.trust(&trusted))
+        .map_err(|e| anyhow::Error::new(crate::checks::Mismatch(e.to_string())))?;
+    let names = |v: Vec<&str>| v.join(", ");
+    let want: Vec<&str> = m.partitions.iter().map(|p| p.name.as_str()).collect();
+    let have: Vec<&str> = update.partitions.iter().map(|p| p.name.as_str()).collect();
+    if want != have {
+        mismatch!(
+            "{}: the state names partitions {}, the signed manifest {}: the store was altered",
+            store.path().display(),
+            names(have),
+            names(want)
+        );
+    }
+    Ok(m)
+}
+
+/// sha256 of a COW file as it was installed: the bytes a merge rewrites (its counter
+/// and scratch area, [`cow::Header::merge_written_ranges`]) taken as the zeros the
+/// writer left there, so that a COW is proven against its signed hash before and
+/// during its merge alike. Returns the file's size and the hex digest.
+fn sealed_sha256(file: &std::fs::File, path: &Path) -> Result<(u64, String)> {
+    use std::os::unix::fs::FileExt;
+    let size = file
+        .metadata()
+        .with_context(|| format!("stat {}", path.display()))?
+        .len();
+    let mut raw = [0u8; cow::format::HEADER_SIZE_V3 as usize];
+    let n = (raw.len() as u64).min(size) as usize;
+    file.read_exact_at(&mut raw[..n], 0)
+        .with_context(|| format!("{}: read the header at offset 0", path.display()))?;
+    let (_, header) = cow::Header::decode(&raw);
+    // A header too short to hold the counter is no COW vabc wrote; hash it as is.
+    let ranges = if usize::from(header.header_size) >= 38 && n >= 38 {
+        header.merge_written_ranges().to_vec()
+    } else {
+        Vec::new()
+    };
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut at = 0u64;
+    while at < size {
+        let len = (size - at).min(buf.len() as u64) as usize;
+        let chunk = &mut buf[..len];
+        file.read_exact_at(chunk, at)
+            .with_context(|| format!("{}: read at offset {at}", path.display()))?;
+        for r in &ranges {
+            let (lo, hi) = (r.start.max(at), r.end.min(at + len as u64));
+            if lo < hi {
+                chunk[(lo - at) as usize..(hi - at) as usize].fill(0);
+            }
+        }
+        h.update(&chunk[..]);
+        at += len as u64;
+    }
+    Ok((size, hex::encode(h.finalize())))
+}
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -61,6 +244,8 @@ struct MarkGoodArgs {
     /// The run folder `boot` used (it records there what this boot runs).
     #[arg(long, default_value = "/run/vabc", value_name = "DIR")]
     run_dir: PathBuf,
+    #[command(flatten)]
+    keys: DeviceKeys,
 }
 
 #[derive(clap::Args)]
@@ -73,7 +258,16 @@ struct InstallArgs {
     #[arg(short = 'b', long = "base", value_name = "NAME=PATH", required = true)]
     bases: Vec<String>,
     #[command(flatten)]
-    key: super::bundle::KeyArgs,
+    keys: DeviceKeys,
+    /// Install a bundle whose version is not newer than the one the device runs (a
+    /// deliberate downgrade); refused when the bundle forbids it.
+    #[arg(long)]
+    allow_downgrade: bool,
+    /// The running image's version file (a decimal number; absent: none): with the
+    /// store's record of the last merged version, the floor an update's version must
+    /// pass.
+    #[arg(long, value_name = "FILE", default_value = DEFAULT_VERSION_FILE)]
+    version_file: PathBuf,
     /// Boots of the new system allowed without mark-good before it is rolled back.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
     max_boot_attempts: u32,
@@ -120,6 +314,8 @@ struct BootArgs {
     /// Seconds to wait for a daemon to be serving.
     #[arg(long, default_value_t = 120)]
     timeout: u64,
+    #[command(flatten)]
+    keys: DeviceKeys,
 }
 
 #[derive(clap::Args)]
@@ -135,6 +331,8 @@ struct DaemonArgs {
     /// Check every served block against the update's dm-verity tree.
     #[arg(long)]
     userspace_verity: bool,
+    #[command(flatten)]
+    keys: DeviceKeys,
 }
 
 impl Args {
@@ -175,11 +373,11 @@ fn init(a: StoreArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// The update a bundle makes, its partitions on `bases`.
-fn update_of(m: &bundle::BundleManifest, bases: &[PathBuf], max_boot_attempts: u32) -> Update {
-    let id = hex::encode(Sha256::digest(serde_json::to_vec(m).unwrap_or_default()));
+/// The update a bundle makes, its partitions on `bases`: named by the sha256 of its
+/// signed head, which the store keeps.
+fn update_of(m: &BundleManifest, head: &[u8], bases: &[PathBuf], max_boot_attempts: u32) -> Update {
     Update {
-        id,
+        id: hex::encode(Sha256::digest(head)),
         max_boot_attempts,
         partitions: m
             .partitions
@@ -188,9 +386,9 @@ fn update_of(m: &bundle::BundleManifest, bases: &[PathBuf], max_boot_attempts: u
             .map(|(p, base)| PartitionState {
                 name: p.name.clone(),
                 base: base.clone(),
-                cow: format!("{}.cow", p.name),
+                cow: update::cow_name(&p.name),
                 verity: p.verity.as_ref().map(|v| VerityRef {
-                    file: format!("{}.verity", p.name),
+                    file: update::verity_name(&p.name),
                     root_hash: v.root_hash.clone(),
                 }),
                 new_size: p.image.new.size,
@@ -200,22 +398,128 @@ fn update_of(m: &bundle::BundleManifest, bases: &[PathBuf], max_boot_attempts: u
     }
 }
 
+/// Reads a version record (a decimal number); a missing file is none.
+fn read_version(path: &Path, bytes: Option<Vec<u8>>) -> Result<Option<u64>> {
+    let Some(bytes) = bytes else {
+        return Ok(None);
+    };
+    let text = String::from_utf8_lossy(&bytes);
+    text.trim().parse::<u64>().map(Some).with_context(|| {
+        format!(
+            "{}: not a version number: {:?}",
+            path.display(),
+            text.trim()
+        )
+    })
+}
+
+/// The version this device runs, and where that was read: the highest of the
+/// running image's version file and the store's record of the last merged update.
+fn running_version(store: &Store, version_file: &Path) -> Result<Option<(u64, PathBuf)>> {
+    let image = match std::fs::read(version_file) {
+        Ok(b) => read_version(version_file, Some(b))?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(e).with_context(|| format!("read {}", version_file.display())),
+    };
+    let recorded_path = store.path().join(VERSION_FILE);
+    let recorded = match store.exists(VERSION_FILE)? {
+        true => read_version(&recorded_path, Some(store.read_file(VERSION_FILE, 64)?))?,
+        false => None,
+    };
+    Ok(match (image, recorded) {
+        (Some(i), Some(r)) if r > i => Some((r, recorded_path)),
+        (Some(i), _) => Some((i, version_file.to_path_buf())),
+        (None, Some(r)) => Some((r, recorded_path)),
+        (None, None) => None,
+    })
+}
+
+/// Refuses a bundle that has expired or does not go forward from `running`.
+fn check_release(
+    m: &BundleManifest,
+    running: Option<&(u64, PathBuf)>,
+    allow_downgrade: bool,
+    now: u64,
+) -> Result<()> {
+    let r = &m.release;
+    if let Some(t) = r.expires
+        && now >= t
+    {
+        mismatch!(
+            "the bundle expired at {t} (seconds since 1970; now {now}): a newer release should \
+             have replaced it; nothing was written"
+        );
+    }
+    if let Some((v, from)) = running
+        && r.version <= *v
+    {
+        if allow_downgrade && !r.no_downgrade {
+            log::warn!(
+                "installing version {} over version {v} ({}): a downgrade, as asked",
+                r.version,
+                from.display()
+            );
+            return Ok(());
+        }
+        mismatch!(
+            "the bundle is version {}, not newer than version {v}, which this device runs ({}){}; \
+             nothing was written",
+            r.version,
+            from.display(),
+            if r.no_downgrade {
+                ": the bundle forbids installing it over a newer version"
+            } else if r.version == *v {
+                ": it is installed already"
+            } else {
+                ": `--allow-downgrade` installs an older release on purpose"
+            }
+        );
+    }
+    Ok(())
+}
+
 fn install(a: InstallArgs) -> Result<ExitCode> {
     let store = Store::open(&a.store.store)?;
     let before = store.load()?;
-    let key = a.key.load()?;
+    let keys = a.keys.load()?;
+    let running = running_version(&store, &a.version_file)?;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    // Bases by absolute path: a later boot, from another folder, reads them.
+    let mut specs = Vec::new();
+    for s in &a.bases {
+        let (name, path) = s
+            .split_once('=')
+            .with_context(|| format!("--base {s:?}: expected NAME=PATH"))?;
+        let abs = std::fs::canonicalize(path)
+            .with_context(|| format!("--base {name}={path}: cannot resolve the path"))?;
+        specs.push(format!("{name}={}", abs.display()));
+    }
     let mut begun: Option<Update> = None;
     let result = super::bundle::install_into(
         &a.bundle,
-        &a.bases,
+        &specs,
         &a.store.store,
-        &key,
+        a.keys.trust(&keys),
         a.threads,
-        &mut |m, bases| {
-            let u = update_of(m, bases, a.max_boot_attempts);
+        &mut |m, head, bases| {
+            if let Some(p) = m.partitions.iter().find(|p| p.verity.is_none()) {
+                mismatch!(
+                    "partition {}: the bundle has no dm-verity root hash, which a device \
+                     update needs to check every block it boots and merges (make it with \
+                     `vabc bundle create --verity`); nothing was written",
+                    p.name
+                );
+            }
+            check_release(m, running.as_ref(), a.allow_downgrade, now)?;
+            let u = update_of(m, head, bases, a.max_boot_attempts);
             let next = before
                 .begin_install(&u)
                 .map_err(|msg| store.refused(format!("{msg}; nothing was changed")))?;
+            // The signed head before the state that names it (again on a resume:
+            // the state names it by its hash, so the bytes are the same).
+            store.write_file(HEAD_FILE, head)?;
             if next != before {
                 store.save(&next)?;
             }
@@ -241,7 +545,12 @@ fn install(a: InstallArgs) -> Result<ExitCode> {
     let now = store.load()?;
     let installed = now.finish_install().map_err(|msg| store.refused(msg))?;
     store.save(&installed)?;
-    let u = installed.update().cloned();
+    let Some(u) = installed.update().cloned() else {
+        bail!(
+            "{}: the installed state names no update",
+            a.store.store.display()
+        );
+    };
     if a.store.json {
         print_json(&serde_json::json!({
             "schema_version": crate::SCHEMA_VERSION,
@@ -264,7 +573,7 @@ fn install(a: InstallArgs) -> Result<ExitCode> {
             "{}: update installed; the next boot runs it ({} boots allowed before `vabc update \
              mark-good`)",
             a.store.store.display(),
-            a.max_boot_attempts
+            u.max_boot_attempts
         );
     }
     Ok(ExitCode::SUCCESS)
@@ -309,27 +618,41 @@ fn boot(a: BootArgs) -> Result<ExitCode> {
         store.save(&next)?;
     }
     let update = state.update();
-    let base_devices = |u: Option<&Update>| -> Result<Vec<Booted>> {
+    // The bases this boot's own configuration names (the initramfs's): where given,
+    // they are what is printed, and a state that names another device is refused.
+    let pinned = bases_of(&a.bases)?;
+    let base_devices = |u: Option<&Update>| -> Vec<Booted> {
         match u {
-            Some(u) => Ok(u
+            Some(u) => u
                 .partitions
                 .iter()
                 .map(|p| Booted {
                     name: p.name.clone(),
-                    device: p.base.clone(),
+                    device: pinned
+                        .iter()
+                        .find(|b| b.name == p.name)
+                        .map_or_else(|| p.base.clone(), |b| b.device.clone()),
                     served: false,
                     verity: None,
                 })
-                .collect()),
-            None => bases_of(&a.bases),
+                .collect(),
+            None => pinned
+                .iter()
+                .map(|b| Booted {
+                    name: b.name.clone(),
+                    device: b.device.clone(),
+                    served: false,
+                    verity: None,
+                })
+                .collect(),
         }
     };
     let (devices, note) = match (action, update) {
-        (BootAction::Base, _) => (base_devices(update)?, None),
+        (BootAction::Base, _) => (base_devices(update), None),
         (BootAction::RollBack, Some(u)) => {
             store.remove_update_files(u)?;
             (
-                base_devices(update)?,
+                base_devices(update),
                 Some(format!(
                     "the update failed to be marked good in {} boots: rolled back",
                     u.max_boot_attempts
@@ -339,34 +662,37 @@ fn boot(a: BootArgs) -> Result<ExitCode> {
         (BootAction::CleanUp, Some(u)) => {
             store.remove_update_files(u)?;
             (
-                base_devices(update)?,
+                base_devices(update),
                 Some("the merged update's COWs removed".into()),
             )
         }
-        (BootAction::Snapshot { .. }, Some(u)) => {
-            std::fs::create_dir_all(&a.run_dir)
-                .with_context(|| format!("create {}", a.run_dir.display()))?;
-            let mut v = Vec::new();
-            let mut daemons = Vec::new();
-            for p in &u.partitions {
-                match serve_partition(&a, &store, p) {
-                    Ok((b, child)) => {
-                        v.push(b);
-                        daemons.push(child);
-                    }
-                    Err(e) => {
-                        // Nothing of the update may run when the base is booted
-                        // instead: a daemon left serving could merge under it.
-                        for mut d in daemons {
-                            stop_daemon(&mut d);
-                        }
-                        return Err(e);
-                    }
-                }
+        (BootAction::Snapshot { merge }, Some(u)) => match serve_update(&a, &store, u, &pinned) {
+            Ok(v) => (v, None),
+            // The merge has overwritten part of the base: neither the old system nor
+            // the new one is there, so nothing may be mounted from it.
+            Err(e) if merge => {
+                return Err(e.context(HalfMerged(format!(
+                    "{}: the merge is under way (part of the base is already the new image) \
+                     and the update cannot be served: no root to mount",
+                    store.path().display()
+                ))));
             }
-            (v, None)
-        }
-        (_, None) => (base_devices(None)?, None),
+            // The base is untouched: the old system boots, this attempt counted.
+            Err(e) => (
+                base_devices(update),
+                Some(format!(
+                    "the update cannot be served ({:#}); booting the base (the old system); \
+                     this was boot attempt {} of {}",
+                    e,
+                    match &next {
+                        State::Installed { boot_attempts, .. } => *boot_attempts,
+                        _ => 0,
+                    },
+                    u.max_boot_attempts
+                )),
+            ),
+        },
+        (_, None) => (base_devices(None), None),
     };
     // What this boot runs, for mark-good (the run folder is a tmpfs: gone at the next
     // boot). Best effort when nothing is served: a missing record refuses mark-good.
@@ -403,6 +729,54 @@ fn boot(a: BootArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// Serves every partition of `u` (none if one fails: its daemons are stopped), after
+/// checking the stored signature and the bases against this boot's configuration.
+fn serve_update(a: &BootArgs, store: &Store, u: &Update, pinned: &[Booted]) -> Result<Vec<Booted>> {
+    let m = signed_manifest(store, u, &a.keys)?;
+    for p in &u.partitions {
+        if let Some(b) = pinned.iter().find(|b| b.name == p.name) {
+            let same = match (
+                std::fs::canonicalize(&b.device),
+                std::fs::canonicalize(&p.base),
+            ) {
+                (Ok(x), Ok(y)) => x == y,
+                _ => b.device == p.base,
+            };
+            if !same {
+                mismatch!(
+                    "partition {}: the state says its base is {}, this boot's configuration \
+                     says {}: the store was altered (or the device's layout changed)",
+                    p.name,
+                    p.base.display(),
+                    b.device.display()
+                );
+            }
+        }
+    }
+    std::fs::create_dir_all(&a.run_dir)
+        .with_context(|| format!("create {}", a.run_dir.display()))?;
+    let mut v = Vec::new();
+    let mut daemons = Vec::new();
+    for p in &u.partitions {
+        let signed = m.partition(&p.name).and_then(|s| s.verity.as_ref());
+        match serve_partition(a, store, p, signed) {
+            Ok((b, child)) => {
+                v.push(b);
+                daemons.push(child);
+            }
+            Err(e) => {
+                // Nothing of the update may run when the base is booted instead: a
+                // daemon left serving could merge under it.
+                for mut d in daemons {
+                    stop_daemon(&mut d);
+                }
+                return Err(e);
+            }
+        }
+    }
+    Ok(v)
+}
+
 /// Whether the kernel's dm-verity can be set up here.
 fn kernel_verity_available() -> bool {
     Path::new("/dev/mapper/control").exists()
@@ -437,8 +811,9 @@ fn serve_partition(
     a: &BootArgs,
     store: &Store,
     p: &PartitionState,
+    signed: Option<&bundle::VerityInfo>,
 ) -> Result<(Booted, std::process::Child)> {
-    let verity = match (&p.verity, a.verity) {
+    let verity = match (signed, a.verity) {
         (None, _) => None,
         (Some(_), VerityMode::Kernel) => Some("kernel"),
         (Some(_), VerityMode::Userspace) => Some("userspace"),
@@ -465,6 +840,7 @@ fn serve_partition(
     if verity == Some("userspace") {
         cmd.arg("--userspace-verity");
     }
+    cmd.args(a.keys.to_args());
     // Its own process group: the initramfs's job control and the switch of root do
     // not reach it. Its messages go to a log beside its report (holding our stderr
     // would keep whoever reads it waiting for its end).
@@ -480,7 +856,16 @@ fn serve_partition(
         .stderr(log)
         .process_group(0);
     let mut child = cmd.spawn().context("start the serving daemon")?;
-    match attach(a, p, &store_path, &ready, &log_path, verity, &mut child) {
+    match attach(
+        a,
+        p,
+        signed,
+        &store_path,
+        &ready,
+        &log_path,
+        verity,
+        &mut child,
+    ) {
         Ok(b) => Ok((b, child)),
         Err(e) => {
             stop_daemon(&mut child);
@@ -491,9 +876,11 @@ fn serve_partition(
 
 /// Waits for `child` to serve partition `p` and puts dm-verity over its device when
 /// `verity` says the kernel checks it.
+#[allow(clippy::too_many_arguments)]
 fn attach(
     a: &BootArgs,
     p: &PartitionState,
+    signed: Option<&bundle::VerityInfo>,
     store_path: &Path,
     ready: &Path,
     log_path: &Path,
@@ -534,14 +921,16 @@ fn attach(
         .as_str()
         .map(PathBuf::from)
         .with_context(|| format!("partition {}: the daemon reported no block device", p.name))?;
-    let device = match (verity, &p.verity) {
+    // The signed root hash: the tree in the store is checked against it, block by
+    // block, as the kernel reads.
+    let device = match (verity, signed) {
         (Some("kernel"), Some(v)) => {
             let name = format!("vabc-{}", p.name);
             let out = Command::new("veritysetup")
                 .arg("open")
                 .arg(&dev)
                 .arg(&name)
-                .arg(store_path.join(&v.file))
+                .arg(store_path.join(update::verity_name(&p.name)))
                 .arg(&v.root_hash)
                 .output()
                 .context("run veritysetup")?;
@@ -566,6 +955,65 @@ fn attach(
     })
 }
 
+/// A descriptor the process keeps open, as a path any later open reaches it by:
+/// what was proven is what is served, whatever happens to the store's names since.
+fn held(file: std::fs::File) -> PathBuf {
+    use std::os::fd::IntoRawFd;
+    PathBuf::from(format!("/proc/self/fd/{}", file.into_raw_fd()))
+}
+
+/// The signed tree of a partition, proven: its superblock has the signed parameters
+/// and its levels hash up to the signed root hash. Returns the checker of new-image
+/// blocks the merge's scratch copies go through.
+fn prove_tree(
+    tree: &std::fs::File,
+    tree_path: &Path,
+    v: &bundle::VerityInfo,
+) -> Result<merge::BlockCheck> {
+    use std::os::unix::fs::FileExt;
+    let (params, uuid) = super::bundle::verity_params(v)?;
+    let mut sb = vec![0u8; verity::SUPERBLOCK_SIZE as usize];
+    tree.read_exact_at(&mut sb, 0)
+        .with_context(|| format!("{}: read the superblock", tree_path.display()))?;
+    let found = verity::Superblock::decode(&sb, tree_path, 0)?;
+    if found.params != params || found.uuid != uuid {
+        mismatch!(
+            "{}: the tree's superblock is not the signed one (parameters or UUID differ)",
+            tree_path.display()
+        );
+    }
+    let root = hex::decode(&v.root_hash).context("the signed root hash is not hex")?;
+    let len = tree
+        .metadata()
+        .with_context(|| format!("stat {}", tree_path.display()))?
+        .len();
+    let offset = verity::tree_offset(0, true, params.hash_block_size);
+    verity::verify_levels(
+        &params,
+        verity::Input {
+            reader: tree,
+            name: tree_path,
+            len,
+        },
+        offset,
+        &root,
+    )
+    .map_err(|e| anyhow::Error::new(crate::checks::Mismatch(e.to_string())))?;
+    let file = tree
+        .try_clone()
+        .with_context(|| format!("duplicate {}", tree_path.display()))?;
+    let verifier = verity::BlockVerifier::new(file, tree_path, offset, params.clone(), &root)?;
+    let dbs = u64::from(params.data_block_size);
+    Ok(std::sync::Arc::new(move |block: u64, data: &[u8]| {
+        // Verity blocks of at most 4 KiB each (the signed trees vabc makes are 4 KiB).
+        for (i, part) in data.chunks(dbs as usize).enumerate() {
+            let first = block * (cow::BLOCK_SIZE as u64 / dbs) + i as u64;
+            verifier.verify(first, part).map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }))
+}
+
 fn daemon(a: DaemonArgs) -> Result<ExitCode> {
     let store = Store::open(&a.store)?;
     let state = store.load()?;
@@ -579,10 +1027,85 @@ fn daemon(a: DaemonArgs) -> Result<ExitCode> {
             a.partition
         );
     };
+    // Everything below is proven against the signed manifest before it is served,
+    // and served from the descriptors that were proven.
+    let m = signed_manifest(&store, &update, &a.keys)?;
+    let Some(sp) = m.partition(&p.name) else {
+        bail!("partition {}: not in the signed manifest", p.name);
+    };
+    let cow_path = store.path().join(&p.cow);
+    let cow_file = store.open_file(&p.cow)?;
+    let t = Instant::now();
+    let (size, sha) = sealed_sha256(&cow_file, &cow_path)?;
+    if (size, &sha) != (sp.cow.size, &sp.cow.sha256) {
+        mismatch!(
+            "{}: {size} bytes with sha256 {sha} (its merge record aside), the signed manifest \
+             says {} bytes with sha256 {}: the COW was altered after it was installed",
+            cow_path.display(),
+            sp.cow.size,
+            sp.cow.sha256
+        );
+    }
+    let cow_secs = t.elapsed().as_secs_f64();
+    let base_size = std::fs::File::open(&p.base)
+        .and_then(|f| cow::view::file_size(&f, &p.base).map_err(std::io::Error::other))
+        .with_context(|| format!("open the base {}", p.base.display()))?;
+    if base_size != sp.partition_bytes() {
+        mismatch!(
+            "the base {} is {base_size} bytes, partition {} of the signed update is {}",
+            p.base.display(),
+            p.name,
+            sp.partition_bytes()
+        );
+    }
+    let t = Instant::now();
+    let (tree_check, tree_path) = match &sp.verity {
+        Some(v) => {
+            let name = update::verity_name(&p.name);
+            let tree_path = store.path().join(&name);
+            let tree = store.open_file(&name)?;
+            let check = prove_tree(&tree, &tree_path, v)?;
+            (Some(check), Some((held(tree), v.root_hash.clone())))
+        }
+        None => (None, None),
+    };
+    log::info!(
+        "vabc update: partition {}: COW proven against the signed manifest in {cow_secs:.3} s, \
+         tree in {:.3} s",
+        p.name,
+        t.elapsed().as_secs_f64()
+    );
+    // The identities serve checks the base and the result against: the signed base,
+    // and the new image's region hashes the install computed (the bundle signs only
+    // its sha256). A sidecar altered to other regions can only make serve refuse: base
+    // + the proven COW make the signed image, whatever the sidecar says.
+    let sidecar_path = store.path().join(format!("{}.manifest", p.cow));
+    let sidecar = manifest::Manifest::parse(
+        &String::from_utf8_lossy(&store.read_file(&format!("{}.manifest", p.cow), 64 << 20)?),
+        &sidecar_path,
+    )?;
+    if sidecar.cow_ops != sp.image.cow_ops
+        || sidecar.new.sha256 != sp.image.new.sha256
+        || sidecar.new.size != sp.image.new.size
+    {
+        mismatch!(
+            "{}: not the manifest of the signed update (its new image or op count differ)",
+            sidecar_path.display()
+        );
+    }
+    let trusted = manifest::Manifest {
+        base: sp.image.base.clone(),
+        ..sidecar
+    };
+    let trusted_path = a.run_dir.join(format!("{}.manifest", p.name));
+    crate::output::write_atomic(&trusted_path, trusted.to_json().as_bytes())?;
+
     let mut argv: Vec<std::ffi::OsString> = vec!["serve".into(), "--base".into()];
     argv.push(p.base.clone().into());
     argv.push("--cow".into());
-    argv.push(a.store.join(&p.cow).into());
+    argv.push(held(cow_file).into());
+    argv.push("--manifest".into());
+    argv.push(trusted_path.into());
     argv.push("--ready-file".into());
     argv.push(a.run_dir.join(format!("{}.ready", p.name)).into());
     match a.frontend {
@@ -593,11 +1116,11 @@ fn daemon(a: DaemonArgs) -> Result<ExitCode> {
             argv.extend(["--fuse".into(), dir.into(), "--loop".into()]);
         }
     }
-    if let (true, Some(v)) = (a.userspace_verity, &p.verity) {
+    if let (true, Some((tree, root))) = (a.userspace_verity, tree_path) {
         argv.push("--verity-hash".into());
-        argv.push(a.store.join(&v.file).into());
+        argv.push(tree.into());
         argv.push("--root-hash".into());
-        argv.push(v.root_hash.clone().into());
+        argv.push(root.into());
     }
     if matches!(state, State::Merging { .. }) {
         argv.push("--merge".into());
@@ -612,6 +1135,7 @@ fn daemon(a: DaemonArgs) -> Result<ExitCode> {
         .args;
     let mut polled = Instant::now() - Duration::from_secs(1);
     let watch = Store::open(&a.store)?;
+    let version = m.release.version;
     let trigger = super::serve::MergeTrigger {
         // The store through its descriptor: it is reached after a switch of root.
         start: Box::new(move || {
@@ -621,14 +1145,15 @@ fn daemon(a: DaemonArgs) -> Result<ExitCode> {
             polled = Instant::now();
             matches!(watch.load(), Ok(State::Merging { .. }))
         }),
-        done: Box::new(move || merge_done(&store)),
+        done: Box::new(move || merge_done(&store, version)),
+        scratch_check: tree_check,
     };
     super::serve::run_with(args, Some(trigger))
 }
 
 /// After one partition's merge: once every partition of the update is merged, the
 /// state becomes merged.
-fn merge_done(store: &Store) -> Result<()> {
+fn merge_done(store: &Store, version: u64) -> Result<()> {
     let state = store.load()?;
     let Some(u) = state.update() else {
         return Ok(());
@@ -642,6 +1167,9 @@ fn merge_done(store: &Store) -> Result<()> {
         }
     }
     if let Ok(next) = state.merged() {
+        // The version this device now runs, before the state says so: the floor of
+        // the next install.
+        store.write_file(VERSION_FILE, format!("{version}\n").as_bytes())?;
         store.save(&next)?;
         log::info!("vabc update: every partition merged; state merged");
     }
@@ -663,6 +1191,12 @@ fn mark_good(m: MarkGoodArgs) -> Result<ExitCode> {
     let store = Store::open(&a.store)?;
     let state = store.load()?;
     let next = state.mark_good().map_err(|msg| store.refused(msg))?;
+    // The merge writes the base in place: what it merges must still be what was
+    // signed (the daemon proves the COW and its tree again before it merges).
+    if let Some(u) = state.update() {
+        signed_manifest(&store, u, &m.keys)
+            .context("nothing was changed; the update keeps running until it is rolled back")?;
+    }
     // Only the new system may say it works: a boot that fell back to the base (the
     // update failed to start) runs the old one.
     let record = m.run_dir.join("booted.json");
