@@ -66,7 +66,7 @@ install-good | install-bad)
 		t0=$SECONDS
 		say "install-start ${ACTION#install-}"
 		"$V" update install --store $S "/data/bundles/${ACTION#install-}.vabc" -b system=/dev/vda \
-			--keyring /run/vabc-keys --max-boot-attempts "$([ "$ACTION" = install-good ] && echo 3 || echo 2)" || rc=$?
+			--keyring /run/vabc-keys --max-boot-attempts 3 || rc=$?
 		say "install-done rc=$rc state $(state) ($((SECONDS - t0)) s)"
 	fi
 	;;

@@ -9,7 +9,9 @@ set -uo pipefail
 VABC_SRC=$1 ACTION=$2
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
+# ACTION noublk: a boot without the ublk driver (the update cannot be served).
 for m in ublk_drv dm_verity loop ext4 erofs; do
+	[ "$ACTION" = noublk ] && [ $m = ublk_drv ] && continue
 	modprobe -d "$VM_KMOD" "$m" || echo "scenario: cannot load $m"
 done
 # The binary and the system's script go where the switch of root carries them (/run):
@@ -31,6 +33,14 @@ fi
 t0=$SECONDS
 root=$(sh "$ROOT/packaging/initramfs/vabc-boot.sh" /dev/vdb /data vabc system=/dev/vda --frontend ublk \
 	--keyring /run/vabc-keys)
+rc=$?
+if [ $rc -ne 0 ]; then
+	# The hook named no root: this initramfs powers off, as an unattended device's
+	# would reboot or stop in an emergency shell.
+	echo "scenario: initramfs: halted: no root (exit $rc, root '$root')"
+	[ -e /run/vabc/system.log ] && sed 's/^/scenario: daemon: /' /run/vabc/system.log
+	exit 0
+fi
 echo "scenario: initramfs: root device $root ($((SECONDS - t0)) s)"
 [ -e /run/vabc/system.log ] && sed 's/^/scenario: daemon: /' /run/vabc/system.log
 mkdir -p /newroot
