@@ -410,7 +410,7 @@ impl Preflight {
             (Some(_), _, Some(NbdAddr::Unix(_))) => {
                 bail!("--nbd-tls-cert is for tcp: addresses (a unix socket is guarded by its mode)")
             }
-            (Some(cert), Some(key), _) => Some(serve::nbd::tls_config(cert, key)?),
+            (Some(cert), Some(key), _) => Some(serve::nbd::tls_config(cert, key, None)?),
             _ => None,
         };
         // Before any work: a missing driver is the likely failure.
