@@ -187,18 +187,23 @@ impl TlsStream {
     }
 }
 
-/// `parts` without their first `skip` bytes, as I/O slices.
-pub(super) fn io_slices<'a>(parts: &[&'a [u8]], mut skip: usize) -> Vec<IoSlice<'a>> {
+/// `parts` without their first `skip` bytes.
+pub(super) fn skip<'a>(parts: &[&'a [u8]], mut skip: usize) -> Vec<&'a [u8]> {
     let mut out = Vec::with_capacity(parts.len());
     for p in parts {
         if skip >= p.len() {
             skip -= p.len();
             continue;
         }
-        out.push(IoSlice::new(&p[skip..]));
+        out.push(&p[skip..]);
         skip = 0;
     }
     out
+}
+
+/// `parts` without their first `n` bytes, as I/O slices.
+pub(super) fn io_slices<'a>(parts: &[&'a [u8]], n: usize) -> Vec<IoSlice<'a>> {
+    skip(parts, n).into_iter().map(IoSlice::new).collect()
 }
 
 /// One `sendmsg` that does not wait: `WouldBlock` when the socket is full. Asked per
