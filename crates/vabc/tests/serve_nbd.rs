@@ -113,7 +113,11 @@ fn connect(sock: &Path) -> (UnixStream, u64) {
 }
 
 fn hello(sock: &Path) -> UnixStream {
-    let mut s = UnixStream::connect(sock).unwrap();
+    greet(UnixStream::connect(sock).unwrap())
+}
+
+/// The client's side of the greeting, on any stream.
+fn greet<S: Read + Write>(mut s: S) -> S {
     let mut hello = [0u8; 18];
     s.read_exact(&mut hello).unwrap();
     assert_eq!(&hello[..8], b"NBDMAGIC");
@@ -124,7 +128,7 @@ fn hello(sock: &Path) -> UnixStream {
 
 /// Sends option `opt` with `data`; returns the replies up to the final one, as
 /// (kind, payload).
-fn option(s: &mut UnixStream, opt: u32, data: &[u8]) -> Vec<(u32, Vec<u8>)> {
+fn option(s: &mut (impl Read + Write), opt: u32, data: &[u8]) -> Vec<(u32, Vec<u8>)> {
     let mut m = Vec::new();
     m.extend_from_slice(b"IHAVEOPT");
     m.extend_from_slice(&opt.to_be_bytes());
@@ -148,7 +152,7 @@ fn option(s: &mut UnixStream, opt: u32, data: &[u8]) -> Vec<(u32, Vec<u8>)> {
 }
 
 /// OPT_GO for the default export after other options; returns the size.
-fn go(mut s: UnixStream) -> (UnixStream, u64) {
+fn go<S: Read + Write>(mut s: S) -> (S, u64) {
     // OPT_GO, name "", one info request (BLOCK_SIZE).
     let mut opt = Vec::new();
     opt.extend_from_slice(b"IHAVEOPT");
@@ -180,7 +184,7 @@ fn go(mut s: UnixStream) -> (UnixStream, u64) {
     (s, size)
 }
 
-fn request(s: &mut UnixStream, kind: u16, cookie: u64, offset: u64, len: u32) {
+fn request(s: &mut impl Write, kind: u16, cookie: u64, offset: u64, len: u32) {
     let mut r = Vec::with_capacity(28);
     r.extend_from_slice(&0x25609513u32.to_be_bytes());
     r.extend_from_slice(&0u16.to_be_bytes());
@@ -191,7 +195,7 @@ fn request(s: &mut UnixStream, kind: u16, cookie: u64, offset: u64, len: u32) {
     s.write_all(&r).unwrap();
 }
 
-fn reply(s: &mut UnixStream) -> (u32, u64) {
+fn reply(s: &mut impl Read) -> (u32, u64) {
     let mut h = [0u8; 16];
     s.read_exact(&mut h).unwrap();
     assert_eq!(u32be(&h), 0x67446698);
@@ -572,4 +576,274 @@ fn a_wildcard_listener_without_tls_is_warned_about() {
         server.log()
     );
     assert!(server.stop().success());
+}
+
+/// Whether the server has closed `s`: its end of the stream, or a reset, within
+/// `wait` (what it sent before is read and dropped).
+fn closed_by_server(s: &mut std::net::TcpStream, wait: std::time::Duration) -> bool {
+    s.set_read_timeout(Some(wait)).unwrap();
+    let mut sink = Vec::new();
+    match s.read_to_end(&mut sink) {
+        Ok(_) => true,
+        Err(e) => e.kind() == std::io::ErrorKind::ConnectionReset,
+    }
+}
+
+/// 100 sockets that never negotiate and a client that asks for 4 GiB and reads none of
+/// it do not keep a client that comes after them from reading the right bytes at once;
+/// the server closes the idle ones at the handshake deadline and the one that does not
+/// read once its socket has taken nothing for the write timeout.
+#[test]
+fn idle_sockets_and_a_client_that_reads_nothing_do_not_stop_others() {
+    use std::net::TcpStream;
+    use std::time::{Duration, Instant};
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let (old, new, cow) = sparse_pair(t);
+    let want = std::fs::read(&new).unwrap();
+    let server = Server::start(&[
+        os("--base"),
+        old.as_os_str(),
+        os("--cow"),
+        cow.as_os_str(),
+        os("--nbd"),
+        os("tcp:127.0.0.1:0"),
+        os("--nbd-handshake-timeout"),
+        os("1"),
+        os("--nbd-write-timeout"),
+        os("1"),
+    ]);
+    let addr = tcp_address(&server);
+    let started = Instant::now();
+    let mut idle: Vec<TcpStream> = (0..100)
+        .map(|_| TcpStream::connect(&addr).unwrap())
+        .collect();
+    // 4,000 reads of 1 MiB; the requests (112 KB) fit the sockets' buffers.
+    // A regression fails these tests rather than hanging them.
+    let bounded = |s: TcpStream| {
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s.set_write_timeout(Some(Duration::from_secs(10))).unwrap();
+        s
+    };
+    let (mut hog, size) = go(greet(bounded(TcpStream::connect(&addr).unwrap())));
+    let mut burst = Vec::new();
+    for i in 0..4000u64 {
+        request(&mut burst, 0, i, (i % 8) << 20, 1 << 20);
+    }
+    hog.write_all(&burst).unwrap();
+    let hog_sent = Instant::now();
+    std::thread::sleep(Duration::from_millis(300));
+
+    let t0 = Instant::now();
+    let (mut good, got_size) = go(greet(bounded(TcpStream::connect(&addr).unwrap())));
+    assert_eq!((got_size, size), (want.len() as u64, want.len() as u64));
+    for i in 0..8u64 {
+        let off = i << 20;
+        request(&mut good, 0, i, off, 1 << 20);
+        assert_eq!(reply(&mut good), (0, i));
+        let mut data = vec![0u8; 1 << 20];
+        good.read_exact(&mut data).unwrap();
+        assert!(
+            data[..] == want[off as usize..][..1 << 20],
+            "1 MiB at {off}"
+        );
+    }
+    let waited = t0.elapsed();
+    eprintln!("beside 100 idle sockets and a client reading nothing: 8 MiB in {waited:?}");
+    assert!(
+        waited < Duration::from_secs(1),
+        "the whole 8 MiB image took {waited:?}"
+    );
+
+    // Past the handshake deadline every idle socket is closed; past the write timeout,
+    // so is the client that reads nothing.
+    std::thread::sleep(Duration::from_millis(2500).saturating_sub(hog_sent.elapsed()));
+    for (i, c) in idle.iter_mut().enumerate() {
+        assert!(
+            closed_by_server(c, Duration::from_secs(2)),
+            "idle socket {i} still open after {:?}",
+            started.elapsed()
+        );
+    }
+    assert!(
+        closed_by_server(&mut hog, Duration::from_secs(3)),
+        "a client that reads nothing is still served"
+    );
+    // The well-behaved client is neither.
+    request(&mut good, 0, 99, 12345, 4096);
+    assert_eq!(reply(&mut good), (0, 99));
+    let mut data = vec![0u8; 4096];
+    good.read_exact(&mut data).unwrap();
+    assert!(data[..] == want[12345..12345 + 4096]);
+    drop(good);
+    assert!(server.stop().success());
+}
+
+/// `openssl` with `args`, which must succeed.
+fn openssl(args: &[&std::ffi::OsStr]) {
+    let (ok, out) = run(Command::new("openssl").args(args));
+    assert!(ok, "openssl {args:?}: {out}");
+}
+
+/// A CA (certificate and key) in `dir` as `name.pem` and `name.key`, whose subject is
+/// `/CN=cn`.
+fn make_ca(dir: &Path, name: &str, cn: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+    let (cert, key) = (
+        dir.join(format!("{name}.pem")),
+        dir.join(format!("{name}.key")),
+    );
+    openssl(&[
+        os("req"),
+        os("-x509"),
+        os("-newkey"),
+        os("ec"),
+        os("-pkeyopt"),
+        os("ec_paramgen_curve:P-256"),
+        os("-nodes"),
+        os("-days"),
+        os("2"),
+        os("-subj"),
+        os(&format!("/CN={cn}")),
+        os("-keyout"),
+        key.as_os_str(),
+        os("-out"),
+        cert.as_os_str(),
+    ]);
+    (cert, key)
+}
+
+/// A certificate issued by `ca` to `cn` with the extensions `ext` (an openssl
+/// extension file's lines), written to `cert` with its key at `key`.
+fn issue(
+    ca: &(std::path::PathBuf, std::path::PathBuf),
+    cn: &str,
+    ext: &str,
+    cert: &Path,
+    key: &Path,
+) {
+    let csr = cert.with_extension("csr");
+    let extfile = cert.with_extension("ext");
+    std::fs::write(&extfile, format!("basicConstraints=CA:FALSE\n{ext}\n")).unwrap();
+    openssl(&[
+        os("req"),
+        os("-new"),
+        os("-newkey"),
+        os("ec"),
+        os("-pkeyopt"),
+        os("ec_paramgen_curve:P-256"),
+        os("-nodes"),
+        os("-subj"),
+        os(&format!("/CN={cn}")),
+        os("-keyout"),
+        key.as_os_str(),
+        os("-out"),
+        csr.as_os_str(),
+    ]);
+    openssl(&[
+        os("x509"),
+        os("-req"),
+        os("-in"),
+        csr.as_os_str(),
+        os("-CA"),
+        ca.0.as_os_str(),
+        os("-CAkey"),
+        ca.1.as_os_str(),
+        os("-set_serial"),
+        os(&fastrand::u32(1..).to_string()),
+        os("-days"),
+        os("2"),
+        os("-extfile"),
+        extfile.as_os_str(),
+        os("-out"),
+        cert.as_os_str(),
+    ]);
+}
+
+/// With `--nbd-tls-verify-peer CA.pem`, a client with a certificate from that CA reads
+/// the new image; one with no certificate, or one from another CA, fails the TLS
+/// handshake and learns nothing, not even the size.
+#[test]
+fn tls_clients_need_a_certificate_from_the_named_ca() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let (old, new, cow) = sparse_pair(t);
+    let ca = make_ca(t, "ca", "vabc test CA");
+    // Named as the real one, so that the client (GnuTLS sends a certificate only to a
+    // server asking for its issuer's name) presents its certificate: the signature is
+    // what must fail.
+    let other_ca = make_ca(t, "other-ca", "vabc test CA");
+    let (server_cert, server_key) = (t.join("server.pem"), t.join("server.key"));
+    issue(
+        &ca,
+        "localhost",
+        "extendedKeyUsage=serverAuth\nsubjectAltName=IP:127.0.0.1,DNS:localhost",
+        &server_cert,
+        &server_key,
+    );
+    // libnbd's (GnuTLS') layout: DIR/ca-cert.pem, client-cert.pem, client-key.pem.
+    let client_dir = |name: &str, issuer: Option<&(std::path::PathBuf, std::path::PathBuf)>| {
+        let d = t.join(name);
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::copy(&ca.0, d.join("ca-cert.pem")).unwrap();
+        if let Some(issuer) = issuer {
+            issue(
+                issuer,
+                name,
+                "extendedKeyUsage=clientAuth",
+                &d.join("client-cert.pem"),
+                &d.join("client-key.pem"),
+            );
+        }
+        d
+    };
+    let trusted = client_dir("trusted", Some(&ca));
+    let foreign = client_dir("foreign", Some(&other_ca));
+    let anonymous = client_dir("anonymous", None);
+    let log = t.join("serve.log");
+    let server = Server::start_logged(
+        &[
+            os("--base"),
+            old.as_os_str(),
+            os("--cow"),
+            cow.as_os_str(),
+            os("--nbd"),
+            os("tcp:127.0.0.1:0"),
+            os("--nbd-tls-cert"),
+            server_cert.as_os_str(),
+            os("--nbd-tls-key"),
+            server_key.as_os_str(),
+            os("--nbd-tls-verify-peer"),
+            ca.0.as_os_str(),
+        ],
+        &log,
+    );
+    let addr = tcp_address(&server);
+    let uri = |dir: &Path| format!("nbds://{addr}/vabc?tls-certificates={}", dir.display());
+
+    let copy = t.join("copy.img");
+    let (ok, out) = run(Command::new("nbdcopy").arg(uri(&trusted)).arg(&copy));
+    assert!(ok, "nbdcopy with a certificate from the CA: {out}");
+    assert_eq!(sha256_file(&copy), sha256_file(&new));
+
+    for (who, dir) in [("no certificate", &anonymous), ("another CA's", &foreign)] {
+        let (ok, out) = run(Command::new("nbdinfo").arg(uri(dir)));
+        assert!(!ok, "a client with {who} was served: {out}");
+        assert!(!out.contains("export-size"), "{who}: {out}");
+        let refused = t.join("refused.img");
+        let (ok, out) = run(Command::new("nbdcopy").arg(uri(dir)).arg(&refused));
+        assert!(!ok, "nbdcopy with {who} copied: {out}");
+        assert!(
+            std::fs::metadata(&refused).map_or(0, |m| m.len()) == 0,
+            "{who}: bytes were copied"
+        );
+    }
+    // Nor, of course, does a client without TLS.
+    let (ok, out) = run(Command::new("nbdinfo").arg(format!("nbd://{addr}/vabc")));
+    assert!(!ok && !out.contains("export-size"), "plaintext: {out}");
+    assert!(server.stop().success());
+    // Each refused for its own reason.
+    let log = std::fs::read_to_string(&log).unwrap();
+    for why in ["peer sent no certificates", "invalid peer certificate"] {
+        assert!(log.contains(why), "no {why:?} in the log: {log}");
+    }
 }

@@ -78,9 +78,26 @@ pub struct Args {
     /// ublk queue depth: requests in flight per queue.
     #[arg(long, default_value_t = 64, requires = "ublk")]
     pub ublk_depth: u16,
-    /// NBD: connections served at once; more are refused.
+    /// NBD: connections transmitting at once; more are refused. Connections still
+    /// negotiating have 16 slots of their own; a new one closes the one negotiating
+    /// longest.
     #[arg(long, default_value_t = 16, value_name = "N", requires = "nbd")]
     pub nbd_max_connections: usize,
+    /// NBD: seconds a client has from connecting to the end of its option phase (TLS
+    /// handshake included) before it is disconnected.
+    #[arg(long, default_value_t = 10, value_name = "SECS",
+          value_parser = clap::value_parser!(u64).range(1..=3600), requires = "nbd")]
+    pub nbd_handshake_timeout: u64,
+    /// NBD over TCP: seconds a connection may stay with no request in flight before it
+    /// is closed; 0: never (a kernel nbd-client attached over TCP needs 0). Unix-socket
+    /// connections are never closed for being idle.
+    #[arg(long, default_value_t = 300, value_name = "SECS", requires = "nbd")]
+    pub nbd_idle_timeout: u64,
+    /// NBD: seconds a client may leave its replies unread (its socket taking nothing)
+    /// before it is disconnected.
+    #[arg(long, default_value_t = 30, value_name = "SECS",
+          value_parser = clap::value_parser!(u64).range(1..=3600), requires = "nbd")]
+    pub nbd_write_timeout: u64,
     /// NBD: permissions of the unix: socket, octal (default 600: only its owner may
     /// connect, and so read the whole image).
     #[arg(long, value_name = "OCTAL", value_parser = parse_mode, requires = "nbd")]
@@ -92,6 +109,11 @@ pub struct Args {
     /// The PEM private key of --nbd-tls-cert.
     #[arg(long, value_name = "PEM", requires = "nbd_tls_cert")]
     pub nbd_tls_key: Option<PathBuf>,
+    /// NBD over TLS: serve only clients presenting a certificate issued by a CA in this
+    /// PEM file (as nbdkit --tls-verify-peer, qemu-nbd verify-peer=on); the others fail
+    /// the TLS handshake and are sent nothing.
+    #[arg(long, value_name = "CA.pem", requires = "nbd_tls_cert")]
+    pub nbd_tls_verify_peer: Option<PathBuf>,
     /// NBD export name (clients asking for the default export "" get it too).
     #[arg(long, default_value = "vabc")]
     pub export_name: String,
@@ -414,7 +436,11 @@ impl Preflight {
             (Some(_), _, Some(NbdAddr::Unix(_))) => {
                 bail!("--nbd-tls-cert is for tcp: addresses (a unix socket is guarded by its mode)")
             }
-            (Some(cert), Some(key), _) => Some(serve::nbd::tls_config(cert, key)?),
+            (Some(cert), Some(key), _) => Some(serve::nbd::tls_config(
+                cert,
+                key,
+                args.nbd_tls_verify_peer.as_deref(),
+            )?),
             _ => None,
         };
         // Before any work: a missing driver is the likely failure.
@@ -530,6 +556,10 @@ impl Frontends {
                 latency: stats.nbd.clone(),
                 readahead: readahead.clone(),
                 max_connections: args.nbd_max_connections.max(1),
+                handshake_timeout: Duration::from_secs(args.nbd_handshake_timeout),
+                idle_timeout: (args.nbd_idle_timeout > 0)
+                    .then(|| Duration::from_secs(args.nbd_idle_timeout)),
+                write_timeout: Duration::from_secs(args.nbd_write_timeout),
                 socket_mode: args.nbd_socket_mode.unwrap_or(0o600),
                 tls: pre.nbd_tls.clone(),
                 ..NbdOptions::default()
