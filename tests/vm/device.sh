@@ -28,7 +28,7 @@
 # Disks are attached with cache=directsync (every write the guest makes reaches the
 # image file before it completes): a kill of the emulator loses exactly what the guest
 # had not written out of its page cache, and nothing it was told was written. The
-# system disk's writes are throttled to 4 MB/s, a slow eMMC, so that a merge lasts
+# system disk's writes are throttled to 2 MB/s, a slow eMMC, so that a merge lasts
 # long enough to be cut more than once. Torn and unflushed writes of a real disk are
 # the simulated-disk crash tests' job (crates/merge).
 # Env: VABC (default target/debug/vabc), TMPDIR.
@@ -149,7 +149,7 @@ boot_once() {
 	# One vCPU: the scenario is sequential, and a single emulated CPU cannot race
 	# the kernel's live code patching (the cause of those panics under multi-threaded
 	# emulation).
-	"$HERE/run.sh" --smp 1 --timeout 600 --disk "$SYS,cache=directsync,throttling.bps-write=$((4 << 20))" \
+	"$HERE/run.sh" --smp 1 --timeout 600 --disk "$SYS,cache=directsync,throttling.bps-write=$((2 << 20))" \
 		--disk "$DATA,cache=directsync" --share "$(dirname "$VABC")" --share "$WORK/keys" -- \
 		bash "$HERE/guest-device.sh" "$VABC" "$action" >"$LOG" 2>&1 &
 	local pid=$!
@@ -199,7 +199,7 @@ landed=0 tries=0 prev= prev_mark=
 while :; do
 	if ((landed < INSTALL_CUTS && tries < INSTALL_CUTS * 3)); then
 		tries=$((tries + 1))
-		boot install-good install-start 2500
+		boot install-good install-start 8000
 	else
 		boot install-good
 	fi
@@ -241,7 +241,7 @@ while :; do
 	if ((landed < MERGE_CUTS && tries < MERGE_CUTS * 3)); then
 		tries=$((tries + 1))
 		# A fresh merge starts after mark-good; a resumed one when the daemon starts.
-		boot run "merge-start|initramfs: state merging" 2500
+		boot run "merge-start|initramfs: state merging" 10000
 	else
 		boot run
 	fi

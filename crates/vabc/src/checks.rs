@@ -158,6 +158,23 @@ pub fn check_base(
     Ok(())
 }
 
+/// Refuses a view whose ops reach past the base when nothing (no manifest, no
+/// `--size`) says how large the new image is: such an op is more likely a damaged
+/// block number (a v3 op can name block 2^32-1, 16 TiB out) than an image that
+/// large, and reading the view up to it would take hours, not a clear error.
+pub fn bound_without_size(view: &SnapshotView, cow_path: &Path) -> Result<()> {
+    if view.size() > view.base_size() {
+        bail!(
+            "{}: its ops reach byte {}, past the end of the base ({} bytes), and no manifest \
+             gives the new image's size; give --size if the new image is that large",
+            cow_path.display(),
+            view.size(),
+            view.base_size()
+        );
+    }
+    Ok(())
+}
+
 /// Decodes the payload of every REPLACE and XOR op of `cow`, discarding the result: a
 /// payload that is cut short, does not decompress or decompresses to the wrong size is
 /// found before anything is written.
@@ -273,6 +290,9 @@ pub fn prove_result(
 ) -> Result<u64> {
     let size = size.or(m.map(|m| m.new.size));
     let view = SnapshotView::new(cow, base, base_path, size)?;
+    if size.is_none() {
+        bound_without_size(&view, cow.path())?;
+    }
     let size = view.size();
     let cow_path = cow.path().to_path_buf();
     let read = |off: u64, buf: &mut [u8]| -> std::io::Result<()> {

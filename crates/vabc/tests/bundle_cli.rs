@@ -354,6 +354,14 @@ fn wrong_base_truncation_and_unknown_versions_are_clear_errors() {
         );
         assert!(entries(&out).is_empty());
     }
+    // Bytes after the last payload: no signature covers them.
+    let mut long = good.clone();
+    long.extend_from_slice(b"unsigned tail");
+    std::fs::write(&bad, &long).unwrap();
+    let (c, e) = install_code(&bad, &vectors().join("base.img"), &out, Some(&public));
+    assert_eq!(c, Some(1), "{e}");
+    assert!(e.contains("13 bytes after the last payload"), "{e}");
+    assert!(entries(&out).is_empty());
     let mut b = good.clone();
     b[8] = 4;
     std::fs::write(&bad, &b).unwrap();

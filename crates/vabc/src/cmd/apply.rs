@@ -90,16 +90,8 @@ pub fn run(a: Args) -> Result<ExitCode> {
         );
     }
     let size = view.size();
-    if size > view.base_size() && a.size.is_none() && manifest.is_none() {
-        // Nothing says how large the new image is: an op past the base's end may be a
-        // damaged block number (a v3 op can name block 2^32-1, 16 TiB out).
-        bail!(
-            "{}: its ops reach byte {size}, past the end of the base ({} bytes), and no \
-             manifest gives the new image's size; give --size if the new image is that \
-             large",
-            a.cow.display(),
-            view.base_size()
-        );
+    if a.size.is_none() && manifest.is_none() {
+        crate::checks::bound_without_size(&view, &a.cow)?;
     }
     let bar = progress::Progress::new(size, "apply", progress::Unit::Bytes);
     let report = |done: u64| bar.set_position(done);

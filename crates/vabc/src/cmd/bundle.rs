@@ -935,6 +935,16 @@ pub(crate) fn install_into(
                 md.len()
             );
         }
+        // Nothing unsigned rides along: every byte of a bundle is the signed head or
+        // a payload its manifest hashes.
+        if md.len() > need {
+            bail!(
+                "{}: offset {need}: {} bytes after the last payload, which no signature \
+                 covers: not a bundle as vabc writes it; nothing was written",
+                bundle_path.display(),
+                md.len() - need
+            );
+        }
     }
     let bases = bases(base_specs, r.manifest())?;
     if !out_dir.is_dir() {
