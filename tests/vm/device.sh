@@ -183,6 +183,8 @@ report_boot() {
 expect() { # WHAT VERSION SHA
 	[ -n "$BOOTED" ] || return 0
 	[ "$VERSION" = "$2" ] || fail "boot $N ($1): version ${VERSION:-?}, expected $2"
+	# A cut may land after the system came up but before it had read its root whole.
+	[ -z "$ROOTSHA" ] && [ -n "$CUT" ] && return 0
 	[ "$ROOTSHA" = "$3" ] || fail "boot $N ($1): the root device reads as ${ROOTSHA:-?}, expected $3"
 }
 
