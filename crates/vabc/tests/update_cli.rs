@@ -187,6 +187,23 @@ impl Device {
         ]))
     }
 
+    /// `boot` with the key `key` and no base of its own configuration (`-b`).
+    fn boot_unpinned(&self, key: &Path) -> std::process::Output {
+        run_vabc(&[
+            "update",
+            "boot",
+            "--store",
+            s(&self.store),
+            "--frontend",
+            "fuse",
+            "--run-dir",
+            s(&self.run),
+            "--key",
+            s(key),
+            "--json",
+        ])
+    }
+
     /// `mark-good` as the new system runs it.
     fn mark_good(&self) -> std::process::Output {
         run_vabc(&[
@@ -448,21 +465,7 @@ fn a_damaged_cow_in_the_store_boots_the_base_until_it_is_rolled_back() {
         .unwrap()
         .set_len(len / 2)
         .unwrap();
-    let boot = || {
-        run_vabc(&[
-            "update",
-            "boot",
-            "--store",
-            s(&d.store),
-            "--frontend",
-            "fuse",
-            "--run-dir",
-            s(&d.run),
-            "--key",
-            s(&d.public),
-            "--json",
-        ])
-    };
+    let boot = || d.boot_unpinned(&d.public);
     // Each boot says why it cannot serve the update, serves nothing but the base
     // (the old system), and counts the attempt.
     for attempt in 1..=2 {
@@ -687,21 +690,7 @@ fn another_key_or_a_stored_head_not_the_states_is_not_booted() {
     d.install();
     // A key the update was not signed with.
     let (_, other_pub) = keypair(d.dir.path(), "other");
-    let boot_with = |key: &Path| {
-        json(&ok(&[
-            "update",
-            "boot",
-            "--store",
-            s(&d.store),
-            "--frontend",
-            "fuse",
-            "--run-dir",
-            s(&d.run),
-            "--key",
-            s(key),
-            "--json",
-        ]))
-    };
+    let boot_with = |key: &Path| json(&d.boot_unpinned(key));
     let b = boot_with(&other_pub);
     assert_eq!(b["partitions"][0]["served"], false, "{b}");
     assert!(b["note"].as_str().unwrap().contains("signature"), "{b}");
