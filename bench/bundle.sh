@@ -51,6 +51,12 @@ for p in $PAIRS; do
 	[ -f "$NEW" ] || bash ../shared/corpus/make-corpus.sh -p "$p" -o "$CORPUS" >/dev/null
 	out=$WORK/$p
 	rm -rf "$out" && mkdir -p "$out/cows" "$out/imgs"
+	if (($(stat -c %s "$NEW") > $(stat -c %s "$OLD"))); then
+		# A bundle takes OLD as the whole partition, and a partition that will hold NEW
+		# is at least as large: every tool gets OLD padded with zeros to NEW's size.
+		cp "$OLD" "$out/old-padded.img" && truncate -s "$(stat -c %s "$NEW")" "$out/old-padded.img"
+		OLD=$out/old-padded.img
+	fi
 	rm -f "$WORK"/[vxzi].[tm]
 	for _ in $(seq "$ROUNDS"); do
 		rm -rf "$out/cows" && mkdir -p "$out/cows"
