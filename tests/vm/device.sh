@@ -238,6 +238,14 @@ while :; do
 			[ -z "$BOOTED" ] || fail "boot $N: merging without ublk mounted $ROOTDEV"
 			[ "$(sha "$SYS")" = "$before" ] || fail "boot $N: the base changed in a boot that halted"
 			HALTED=1
+			# The COW altered on the data disk after mark-good: not merged, nothing written.
+			boot swapcow
+			grep -q 'scenario: initramfs: halted: no root (exit 4' "$LOG" &&
+				grep -q 'altered after it was installed' "$LOG" &&
+				grep -q 'scenario: swapcow: the COW put back' "$LOG" ||
+				fail "boot $N: a COW altered after mark-good was not refused"
+			[ -z "$BOOTED" ] || fail "boot $N: a COW altered after mark-good was booted ($ROOTDEV)"
+			[ "$(sha "$SYS")" = "$before" ] || fail "boot $N: the base changed though the COW was refused"
 		fi
 	fi
 	if ((landed < MERGE_CUTS && tries < MERGE_CUTS * 3)); then

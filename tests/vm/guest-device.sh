@@ -30,6 +30,15 @@ if mount -o ro /dev/vdb /tmp/data 2>/dev/null; then
 		python3 -c 'import json,sys; print(json.load(sys.stdin)["state"])')"
 	umount /tmp/data
 fi
+# ACTION swapcow: the COW is altered on the data disk after mark-good (3 MiB in,
+# past its header and scratch area), as someone who can write that disk would; the
+# original is put back after this boot's hook has run.
+if [ "$ACTION" = swapcow ] && mount /dev/vdb /tmp/data; then
+	cp /tmp/data/vabc/system.cow /tmp/data/saved.cow
+	printf 'swapped by the scenario' | dd of=/tmp/data/vabc/system.cow bs=1 seek=$((3 << 20)) conv=notrunc status=none
+	sync
+	umount /tmp/data
+fi
 t0=$SECONDS
 root=$(sh "$ROOT/packaging/initramfs/vabc-boot.sh" /dev/vdb /data vabc system=/dev/vda --frontend ublk \
 	--keyring /run/vabc-keys)
@@ -39,6 +48,11 @@ if [ $rc -ne 0 ]; then
 	# would reboot or stop in an emergency shell.
 	echo "scenario: initramfs: halted: no root (exit $rc, root '$root')"
 	[ -e /run/vabc/system.log ] && sed 's/^/scenario: daemon: /' /run/vabc/system.log
+	if [ "$ACTION" = swapcow ]; then
+		umount /data 2>/dev/null
+		mount /dev/vdb /tmp/data && mv /tmp/data/saved.cow /tmp/data/vabc/system.cow && sync &&
+			umount /tmp/data && echo "scenario: swapcow: the COW put back"
+	fi
 	exit 0
 fi
 echo "scenario: initramfs: root device $root ($((SECONDS - t0)) s)"
