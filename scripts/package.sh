@@ -1,15 +1,29 @@
 #!/usr/bin/env bash
 # Build vabc for shipping:
-#   scripts/package.sh deb    a Debian package: target/debian/vabc_VERSION_ARCH.deb
-#                             (binary, manual pages, completions, unit template, docs;
-#                             cargo-deb, installed with `cargo install` if missing);
-#                             scripts/test-package.sh installs it into a fresh chroot
-#   scripts/package.sh musl   a static binary: target/x86_64-unknown-linux-musl/release/vabc
-#                             (needs the rustup target and musl-tools, both installed
-#                             here if missing)
+#   scripts/package.sh deb [--binary FILE]
+#       a Debian package, target/debian/vabc_VERSION_ARCH.deb: the binary (stripped),
+#       manual pages, shell completions, the vabc-serve@ unit, the initramfs step
+#       (/usr/share/vabc/vabc-boot.sh) and its initramfs-tools hook, the docs.
+#       The binary is a release build, or FILE (the suite packages the binary its
+#       tests ran, saving a second build). scripts/test-package.sh installs it.
+#   scripts/package.sh musl
+#       a static binary, target/x86_64-unknown-linux-musl/release/vabc, stripped
+#       (needs the rustup target and musl-tools, both installed here if missing).
+# The package is assembled with dpkg-deb, Debian's own tool, from the control file
+# packaging/deb/control: nothing to build first (cargo-deb took a 3-minute compile
+# of its own on every CI run, for what is a file list).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-case ${1:-deb} in
+what=${1:-deb}
+shift || true
+BIN=
+while (($#)); do
+	case $1 in
+	--binary) BIN=$2; shift 2 ;;
+	*) sed -n '2,15p' "$0" >&2; exit 2 ;;
+	esac
+done
+case $what in
 deb) ;;
 musl)
 	rustup target list --installed | grep -qx x86_64-unknown-linux-musl ||
@@ -18,24 +32,47 @@ musl)
 		apt-get -o DPkg::Lock::Timeout=300 install -y -qq musl-tools >/dev/null
 	CC_x86_64_unknown_linux_musl=musl-gcc \
 		cargo build --release --locked -p vabc --target x86_64-unknown-linux-musl
-	B=target/x86_64-unknown-linux-musl/release/vabc
+	B=${CARGO_TARGET_DIR:-target}/x86_64-unknown-linux-musl/release/vabc
+	strip "$B"
 	file "$B" 2>/dev/null || true
 	ls -l "$B"
 	exit 0
 	;;
-*) echo "usage: scripts/package.sh deb|musl" >&2; exit 2 ;;
+*) sed -n '2,15p' "$0" >&2; exit 2 ;;
 esac
-command -v cargo-deb >/dev/null || cargo install --locked cargo-deb
-cargo build --release --locked -p vabc
+if [ -z "$BIN" ]; then
+	cargo build --release --locked -p vabc
+	BIN=${CARGO_TARGET_DIR:-target}/release/vabc
+fi
+VERSION=$("$BIN" --version | awk '{print $2}')
+ARCH=$(dpkg --print-architecture)
 T=target/package
 rm -rf "$T"
-mkdir -p "$T/man" "$T/completions"
-target/release/vabc man "$T/man" >/dev/null
-gzip -9n "$T"/man/*.1
-target/release/vabc completions bash >"$T/completions/vabc.bash"
-target/release/vabc completions zsh >"$T/completions/_vabc"
-target/release/vabc completions fish >"$T/completions/vabc.fish"
-# The binary is built above with debug info (profile.release debug = 1); the package
-# ships it stripped (cargo-deb strips by default).
-cargo deb --no-build -p vabc
-ls -l target/debian/*.deb
+R=$T/root
+install -d "$R/DEBIAN" "$R/usr/bin" "$R/usr/share/man/man1" "$R/usr/share/vabc" \
+	"$R/usr/share/bash-completion/completions" "$R/usr/share/zsh/vendor-completions" \
+	"$R/usr/share/fish/vendor_completions.d" "$R/usr/lib/systemd/system" \
+	"$R/usr/share/initramfs-tools/hooks" "$R/usr/share/doc/vabc/docs"
+# Stripped: the build keeps line tables for backtraces (profile.release debug = 1),
+# 7 times the size of the code.
+strip -o "$R/usr/bin/vabc" "$BIN"
+"$BIN" man "$R/usr/share/man/man1" >/dev/null
+gzip -9n "$R"/usr/share/man/man1/*.1
+"$BIN" completions bash >"$R/usr/share/bash-completion/completions/vabc"
+"$BIN" completions zsh >"$R/usr/share/zsh/vendor-completions/_vabc"
+"$BIN" completions fish >"$R/usr/share/fish/vendor_completions.d/vabc.fish"
+install -m 644 packaging/vabc-serve@.service "$R/usr/lib/systemd/system/"
+install -m 755 packaging/initramfs/vabc-boot.sh "$R/usr/share/vabc/"
+install -m 755 packaging/initramfs/initramfs-tools-hook "$R/usr/share/initramfs-tools/hooks/vabc"
+install -m 644 README.md "$R/usr/share/doc/vabc/"
+install -m 644 docs/*.md "$R/usr/share/doc/vabc/docs/"
+echo "vabc developers, Apache-2.0" >"$R/usr/share/doc/vabc/copyright"
+SIZE=$(du -sk --exclude=DEBIAN "$R" | cut -f1)
+sed -e "s/@VERSION@/$VERSION/" -e "s/@ARCH@/$ARCH/" -e "s/@SIZE@/$SIZE/" \
+	packaging/deb/control >"$R/DEBIAN/control"
+mkdir -p target/debian
+OUT=target/debian/vabc_${VERSION}_$ARCH.deb
+rm -f target/debian/vabc_*.deb
+dpkg-deb --root-owner-group -Zxz --build "$R" "$OUT" >/dev/null
+ls -l "$OUT"
+echo "package: binary $(stat -c %s "$R/usr/bin/vabc") bytes stripped (from $(stat -c %s "$BIN"))"

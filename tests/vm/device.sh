@@ -16,7 +16,10 @@
 #      root is version 2 and reads whole as the new image; it marks itself good and
 #      the merge runs while it keeps reading its root; the emulator is killed at
 #      random moments of the merge until N cuts landed mid-merge: each next boot
-#      must run the new system again and resume the merge;
+#      must run the new system again and resume the merge; after the first such
+#      cut, three boots that must mount no root and write nothing: without the
+#      ublk driver, with the data disk unreadable (device-mapper's error target),
+#      and with the COW altered on the data disk;
 #   3. the boot after the merge mounts the base itself, which is the new image, and
 #      the COW store is cleaned; the system installs a bad update (version 3, whose
 #      health check fails);
@@ -238,6 +241,14 @@ while :; do
 			[ -z "$BOOTED" ] || fail "boot $N: merging without ublk mounted $ROOTDEV"
 			[ "$(sha "$SYS")" = "$before" ] || fail "boot $N: the base changed in a boot that halted"
 			HALTED=1
+			# The data disk unreadable: the state is unknown, so no root is mounted.
+			boot nostore
+			grep -q 'scenario: nostore: the store.s partition is /dev/mapper/vabc-nostore' "$LOG" &&
+				grep -q 'scenario: initramfs: halted: no root (exit 4' "$LOG" &&
+				grep -q "vabc-boot: cannot mount the store's partition" "$LOG" ||
+				fail "boot $N: an unreadable store partition did not halt the boot"
+			[ -z "$BOOTED" ] || fail "boot $N: with the store unreadable, $ROOTDEV was mounted"
+			[ "$(sha "$SYS")" = "$before" ] || fail "boot $N: the base changed in a boot that halted"
 			# The COW altered on the data disk after mark-good: not merged, nothing written.
 			boot swapcow
 			grep -q 'scenario: initramfs: halted: no root (exit 4' "$LOG" &&

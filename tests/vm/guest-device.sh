@@ -39,8 +39,16 @@ if [ "$ACTION" = swapcow ] && mount /dev/vdb /tmp/data; then
 	sync
 	umount /tmp/data
 fi
+# ACTION nostore: the data disk fails every read (the device-mapper error target in
+# its place), so the update's state cannot be known.
+STORE_DEV=/dev/vdb
+if [ "$ACTION" = nostore ]; then
+	dmsetup create vabc-nostore --table "0 $(blockdev --getsz /dev/vdb) error" &&
+		STORE_DEV=/dev/mapper/vabc-nostore
+	echo "scenario: nostore: the store's partition is $STORE_DEV"
+fi
 t0=$SECONDS
-root=$(sh "$ROOT/packaging/initramfs/vabc-boot.sh" /dev/vdb /data vabc system=/dev/vda --frontend ublk \
+root=$(sh "$ROOT/packaging/initramfs/vabc-boot.sh" "$STORE_DEV" /data vabc system=/dev/vda --frontend ublk \
 	--keyring /run/vabc-keys)
 rc=$?
 if [ $rc -ne 0 ]; then

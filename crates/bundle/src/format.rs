@@ -92,6 +92,12 @@ pub struct Partition {
     /// before it existed: the base image's size).
     #[serde(default)]
     pub partition_size: u64,
+    /// A full-image update: the COW writes every block of the new image (REPLACE and
+    /// ZERO only), so any base of the partition's size takes it; its base identity is
+    /// empty. Declared rather than inferred from an empty base, so that a delta made
+    /// from an empty OLD by mistake is refused instead of installing anywhere.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub full: bool,
     /// The base it needs, the image it makes, and the per-op hashes of the COW it
     /// writes: the sidecar `vabc diff` writes beside a COW, written beside the
     /// installed one.
@@ -191,6 +197,46 @@ impl PayloadInfo {
 }
 
 impl Partition {
+    /// Why this partition's kind and identities do not fit together, if they do not:
+    /// a full image must not read its base, and a delta's base identity must cover
+    /// the whole partition (an empty one covers nothing and would match any base).
+    pub fn kind_problem(&self) -> Option<String> {
+        let base = self.image.base.size;
+        let plan = &self.plan;
+        if self.full {
+            if base != 0 {
+                return Some(format!(
+                    "a full-image update that names a base of {base} bytes"
+                ));
+            }
+            if plan.copy != 0 || plan.xor != 0 || plan.unchanged != 0 {
+                return Some(format!(
+                    "a full-image update whose plan reads its base ({} COPY, {} XOR, {} \
+                     unchanged blocks)",
+                    plan.copy, plan.xor, plan.unchanged
+                ));
+            }
+            if self.partition_size == 0 {
+                return Some("a full-image update that does not state its partition's size".into());
+            }
+            return None;
+        }
+        if base == 0 {
+            return Some(
+                "an update against an empty base, which any partition would match; an update \
+                 without a base must be declared a full image (`vabc bundle create --full`)"
+                    .into(),
+            );
+        }
+        if self.partition_size != 0 && self.partition_size != base {
+            return Some(format!(
+                "the base identity covers {base} bytes of a {}-byte partition",
+                self.partition_size
+            ));
+        }
+        None
+    }
+
     /// Bytes of the partition the update is for ([`Partition::partition_size`]).
     pub fn partition_bytes(&self) -> u64 {
         match self.partition_size {
@@ -231,6 +277,8 @@ fn header_bytes(manifest_len: usize, signed: bool) -> [u8; HEADER_SIZE] {
 #[derive(Debug)]
 pub struct BundleWriter {
     out: PathBuf,
+    /// Where the temporary files go: a folder on `out`'s file system.
+    temp_dir: PathBuf,
     payloads: tempfile::NamedTempFile,
     written: u64,
     partitions: Vec<Partition>,
@@ -238,11 +286,24 @@ pub struct BundleWriter {
 }
 
 impl BundleWriter {
-    /// A writer of the bundle `out` (created on [`BundleWriter::finish`]).
+    /// A writer of the bundle `out` (created on [`BundleWriter::finish`]), its
+    /// temporary files beside it.
     pub fn new(out: &Path) -> Result<BundleWriter> {
-        let payloads = temp_beside(out)?;
+        let dir = match out.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        BundleWriter::new_in(out, &dir)
+    }
+
+    /// A writer of the bundle `out` whose temporary files go into `temp_dir`, a folder
+    /// on `out`'s file system (the finished bundle is renamed from there): a caller
+    /// that removes that folder on an interrupt leaves nothing behind.
+    pub fn new_in(out: &Path, temp_dir: &Path) -> Result<BundleWriter> {
+        let payloads = temp_in(temp_dir, out)?;
         Ok(BundleWriter {
             out: out.to_path_buf(),
+            temp_dir: temp_dir.to_path_buf(),
             payloads,
             written: 0,
             partitions: Vec::new(),
@@ -313,7 +374,7 @@ impl BundleWriter {
         let json = zstd::bulk::compress(&text, 19)
             .map_err(|e| fail(format!("cannot compress the manifest: {e}")))?;
         let header = header_bytes(json.len(), key.is_some());
-        let mut tmp = temp_beside(&self.out)?;
+        let mut tmp = temp_in(&self.temp_dir, &self.out)?;
         let tpath = tmp.path().to_path_buf();
         let f = tmp.as_file_mut();
         f.write_all(&header).map_err(io_err(&tpath, "write", 0))?;
@@ -339,11 +400,7 @@ impl BundleWriter {
     }
 }
 
-fn temp_beside(out: &Path) -> Result<tempfile::NamedTempFile> {
-    let dir = match out.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
+fn temp_in(dir: &Path, out: &Path) -> Result<tempfile::NamedTempFile> {
     let name = out
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
@@ -351,8 +408,8 @@ fn temp_beside(out: &Path) -> Result<tempfile::NamedTempFile> {
     tempfile::Builder::new()
         .prefix(&format!(".{name}."))
         .suffix(".tmp")
-        .tempfile_in(&dir)
-        .map_err(io_err(&dir, "create a temporary file in", 0))
+        .tempfile_in(dir)
+        .map_err(io_err(dir, "create a temporary file in", 0))
 }
 
 struct HashWriter<'a>(&'a mut Sha256);
@@ -535,6 +592,12 @@ impl<R: Read> BundleReader<R> {
                 return Err(fail(
                     HEADER_SIZE as u64,
                     format!("partition {:?} is named twice in the manifest", p.name),
+                ));
+            }
+            if let Some(why) = p.kind_problem() {
+                return Err(fail(
+                    HEADER_SIZE as u64,
+                    format!("partition {:?}: {why}", p.name),
                 ));
             }
             if p.payload.offset != at || p.payload.plan_length > p.payload.length {
@@ -974,6 +1037,7 @@ mod tests {
         };
         w.add_partition(Partition {
             partition_size: 0,
+            full: false,
             name: "system".into(),
             image: manifest::Manifest {
                 schema_version: manifest::SCHEMA_VERSION,
@@ -1056,6 +1120,63 @@ mod tests {
         out.extend_from_slice(&json);
         out.extend_from_slice(&bytes[HEADER_SIZE + mlen..]);
         out
+    }
+
+    #[test]
+    fn a_partition_whose_kind_and_identities_disagree_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let bytes = one_partition(dir.path(), 64, b"x");
+        let refused = |edit: &dyn Fn(&mut serde_json::Value), want: &str| {
+            let e = BundleReader::open(
+                &with_manifest(&bytes, edit)[..],
+                Path::new("b.vabc"),
+                Trust::Unchecked,
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(e.contains(want) && e.contains("\"system\""), "{e}");
+        };
+        // A delta with an empty base would match any partition.
+        refused(
+            &|v| v["partitions"][0]["image"]["base"]["size"] = 0.into(),
+            "empty base",
+        );
+        // A base identity that covers part of the partition.
+        refused(
+            &|v| v["partitions"][0]["partition_size"] = 8192.into(),
+            "covers 4096 bytes of a 8192-byte partition",
+        );
+        // A full image reads nothing of its base, names none, and states its size.
+        let full = |v: &mut serde_json::Value| {
+            let p = &mut v["partitions"][0];
+            p["full"] = true.into();
+            p["image"]["base"]["size"] = 0.into();
+            p["partition_size"] = 4096.into();
+        };
+        refused(
+            &|v| {
+                full(v);
+                v["partitions"][0]["plan"]["copy"] = 1.into();
+            },
+            "reads its base (1 COPY",
+        );
+        refused(
+            &|v| {
+                full(v);
+                v["partitions"][0]["image"]["base"]["size"] = 4096.into();
+            },
+            "names a base of 4096 bytes",
+        );
+        refused(
+            &|v| {
+                full(v);
+                v["partitions"][0]["partition_size"] = 0.into();
+            },
+            "does not state its partition's size",
+        );
+        let ok = with_manifest(&bytes, full);
+        let r = BundleReader::open(&ok[..], Path::new("b.vabc"), Trust::Unchecked).unwrap();
+        assert!(r.manifest().partitions[0].full);
     }
 
     #[test]

@@ -164,6 +164,7 @@ pub fn sample(
     use sha2::Digest;
     w.add_partition(Partition {
         partition_size: 0,
+        full: false,
         name: "system".into(),
         image,
         cow: CowParams {

@@ -80,8 +80,13 @@ pub struct Disk {
 impl Disk {
     /// Opens `path` read-only (and its `O_DIRECT` twin when it is a block device).
     pub fn open(path: &Path) -> io::Result<Disk> {
+        let file = File::open(path)?;
+        // A folder opens for reading too, and then reads as a size no image has.
+        if file.metadata()?.is_dir() {
+            return Err(io::Error::from_raw_os_error(libc::EISDIR));
+        }
         Ok(Disk {
-            file: File::open(path)?,
+            file,
             direct: open_if_block_device(path)?,
         })
     }

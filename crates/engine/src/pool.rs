@@ -188,14 +188,21 @@ fn pin_and_prioritise(cpu: usize, fifo: bool) {
         );
     }
     if fifo {
-        let param = libc::sched_param { sched_priority: 1 };
-        // SAFETY: the parameter is a valid sched_param; 0 is the calling thread.
-        if unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &param) } != 0 {
+        // SAFETY: sched_param is plain integers (one in glibc; musl adds the
+        // SCHED_SPORADIC fields), for which all zeroes is a valid value.
+        let mut param: libc::sched_param = unsafe { std::mem::zeroed() };
+        param.sched_priority = 1;
+        // The pthread call rather than sched_setscheduler: musl's is a stub that
+        // fails with ENOSYS, and this is the calling thread either way.
+        // SAFETY: pthread_self() is this live thread; the parameter is valid.
+        let rc =
+            unsafe { libc::pthread_setschedparam(libc::pthread_self(), libc::SCHED_FIFO, &param) };
+        if rc != 0 {
             static WARNED: AtomicBool = AtomicBool::new(false);
             if !WARNED.swap(true, Ordering::Relaxed) {
                 log::warn!(
                     "decode workers: SCHED_FIFO not permitted ({}): they run at normal priority",
-                    std::io::Error::last_os_error()
+                    std::io::Error::from_raw_os_error(rc)
                 );
             }
         }

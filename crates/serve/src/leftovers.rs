@@ -13,6 +13,12 @@
 //! the file system mount, the loop device, the FUSE mount, the ublk device. A process
 //! is identified by its pid and its start time, so a reused pid is not mistaken for
 //! the daemon.
+//!
+//! Commands that write files (`diff`, `apply`, `bundle`, `update`) record their
+//! temporary files and folders the same way ([`Record::temps`], `temps-PID.json`),
+//! so that what a SIGKILL left is found too. Only names vabc gives its temporary
+//! files are removed ([`is_temp_name`]): a record is input like any file, and a
+//! forged one must not be able to delete anything else.
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -56,6 +62,34 @@ pub struct Record {
     /// The new image's file system, mounted by `--mount`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mount_target: Option<PathBuf>,
+    /// Temporary files and folders not yet renamed into place or removed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub temps: Vec<PathBuf>,
+}
+
+/// Whether `path` has a name vabc gives its temporary files and folders: a dot, then
+/// `vabc-` or a `.tmp` / `.installing` ending (`.u.cow.Ab12Cd.tmp`,
+/// `.system.cow.installing`, `.vabc-bundle.Ab12Cd`).
+pub fn is_temp_name(path: &Path) -> bool {
+    path.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
+        n.len() > 1
+            && n.starts_with('.')
+            && (n.starts_with(".vabc-") || n.ends_with(".tmp") || n.ends_with(".installing"))
+    })
+}
+
+/// Removes a temporary file or folder (a folder with what it holds; a symbolic link
+/// itself, never what it points to); gone already is fine.
+pub fn remove_temp(path: &Path) -> io::Result<()> {
+    let r = match std::fs::symlink_metadata(path) {
+        Ok(md) if md.is_dir() => std::fs::remove_dir_all(path),
+        Ok(_) => std::fs::remove_file(path),
+        Err(e) => Err(e),
+    };
+    match r {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        r => r,
+    }
 }
 
 /// A record on disk; removed on drop (after a clean tear-down).
@@ -85,9 +119,15 @@ impl Record {
     /// Writes the record into `dir` ([`run_dir`] outside tests): a temporary file,
     /// then a rename.
     pub fn write(&self, dir: &Path) -> Result<RecordFile, ServeError> {
+        self.write_as(dir, "serve")
+    }
+
+    /// Writes the record as `KIND-PID.json` in `dir`: `serve` for a daemon's set-up,
+    /// `temps` for a command's temporary files (rewritten as they come and go).
+    pub fn write_as(&self, dir: &Path, kind: &str) -> Result<RecordFile, ServeError> {
         std::fs::create_dir_all(dir).map_err(io_err("create", dir))?;
-        let path = dir.join(format!("serve-{}.json", self.pid));
-        let tmp = dir.join(format!(".serve-{}.json.tmp", self.pid));
+        let path = dir.join(format!("{kind}-{}.json", self.pid));
+        let tmp = dir.join(format!(".{kind}-{}.json.tmp", self.pid));
         let text = serde_json::to_string_pretty(self).map_err(|e| ServeError::Invalid {
             path: path.clone(),
             msg: e.to_string(),
@@ -122,7 +162,7 @@ fn start_time(pid: u32) -> io::Result<u64> {
 pub struct Removed {
     /// The daemon that left it behind.
     pub pid: u32,
-    /// `mount`, `loop`, `fuse`, `ublk`, or `record`.
+    /// `mount`, `loop`, `fuse`, `ublk`, `temp`, or `record`.
     pub kind: &'static str,
     pub what: String,
     /// `None` when removed (or already gone); else why not.
@@ -141,9 +181,9 @@ pub fn cleanup(dir: &Path) -> Result<Vec<Removed>, ServeError> {
     let mut paths: Vec<PathBuf> = entries
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| {
-            p.file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with("serve-") && n.ends_with(".json"))
+            p.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
+                (n.starts_with("serve-") || n.starts_with("temps-")) && n.ends_with(".json")
+            })
         })
         .collect();
     paths.sort();
@@ -152,7 +192,7 @@ pub fn cleanup(dir: &Path) -> Result<Vec<Removed>, ServeError> {
         let text = std::fs::read_to_string(&path).map_err(io_err("read", &path))?;
         let rec: Record = serde_json::from_str(&text).map_err(|e| ServeError::Invalid {
             path: path.clone(),
-            msg: format!("not a vabc serve record: {e}"),
+            msg: format!("not a vabc record: {e}"),
         })?;
         if rec.is_running() {
             continue;
@@ -193,6 +233,17 @@ fn remove_all(rec: &Record, out: &mut Vec<Removed>) {
     }
     if let Some(d) = &rec.fuse_dir {
         note("fuse", d.display().to_string(), unmount_detached(d));
+    }
+    for t in &rec.temps {
+        let r = if is_temp_name(t) {
+            remove_temp(t).map_err(io_err("remove", t))
+        } else {
+            Err(ServeError::Invalid {
+                path: t.clone(),
+                msg: "not a name vabc gives a temporary file: left alone".into(),
+            })
+        };
+        note("temp", t.display().to_string(), r);
     }
     if let Some(id) = rec.ublk_dev_id {
         let r = crate::ublk::KernelTransport::open()
@@ -277,5 +328,39 @@ mod tests {
         );
         drop(live);
         assert!(!dir.path().join(format!("serve-{}.json", me.pid)).exists());
+    }
+
+    #[test]
+    fn a_dead_commands_temporary_files_are_removed_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let file = d.join(".u.cow.Ab12Cd.tmp");
+        let folder = d.join(".vabc-bundle.Xy");
+        let other = d.join("precious.img");
+        let link = d.join(".link.tmp");
+        std::fs::write(&file, b"x").unwrap();
+        std::fs::create_dir(&folder).unwrap();
+        std::fs::write(folder.join("system.cow"), b"x").unwrap();
+        std::fs::write(&other, b"keep").unwrap();
+        std::os::unix::fs::symlink(&other, &link).unwrap();
+        let rec = Record {
+            pid: u32::MAX - 2,
+            start_time: 1,
+            temps: vec![file.clone(), folder.clone(), other.clone(), link.clone()],
+            ..Record::default()
+        };
+        let _f = rec.write_as(d, "temps").unwrap();
+        let removed = cleanup(d).unwrap();
+        assert!(!file.exists() && !folder.exists() && !link.exists());
+        assert_eq!(
+            std::fs::read(&other).unwrap(),
+            b"keep",
+            "not a temporary name"
+        );
+        let refused: Vec<_> = removed.iter().filter(|r| r.error.is_some()).collect();
+        assert_eq!(refused.len(), 1, "{removed:?}");
+        assert!(refused[0].what.ends_with("precious.img"));
+        // The record stays (one entry was refused) for someone to look at.
+        assert!(d.join(format!("temps-{}.json", u32::MAX - 2)).exists());
     }
 }

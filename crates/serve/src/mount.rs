@@ -354,9 +354,17 @@ impl Mounted {
             return Err(ServeError::Invalid {
                 path: target.to_path_buf(),
                 msg: format!(
-                    "mount -t {} -o ro {} failed: {e}",
+                    "mount -t {} -o ro {} failed: {e}{}",
                     fstype.name(),
-                    source.display()
+                    source.display(),
+                    match e.raw_os_error() {
+                        Some(libc::EINVAL) => format!(
+                            "; the image does not hold a {} file system the kernel accepts: \
+                             serve it as a device instead (--fuse, --nbd or --ublk)",
+                            fstype.name()
+                        ),
+                        _ => String::new(),
+                    }
                 ),
             });
         }
@@ -434,7 +442,9 @@ impl MountStack {
             Some(f) => f,
             None => detect_fstype(dev.as_ref())?.ok_or_else(|| ServeError::Invalid {
                 path: target.clone(),
-                msg: "the image holds neither ext4 nor EROFS; pass --fstype".into(),
+                msg: "the image holds neither ext4 nor EROFS, the file systems --mount knows; serve it as \
+                      a device instead (--fuse, --nbd or --ublk) and mount or read it yourself"
+                    .into(),
             })?,
         };
         let mut stack = MountStack {

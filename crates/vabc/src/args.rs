@@ -24,9 +24,40 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         })
 }
 
+/// `NAME=VALUE` with NAME a partition name (`-b system=/dev/sda3`, `-p
+/// system=old.img,new.img`): checked while the command line is parsed, so that a
+/// value without its name is a usage error (exit 2), not a failure part-way through.
+pub fn name_eq(s: &str) -> Result<String, String> {
+    match s.split_once('=') {
+        Some((name, rest)) if manifest::is_partition_name(name) && !rest.is_empty() => {
+            Ok(s.to_string())
+        }
+        Some((name, _)) if !manifest::is_partition_name(name) => Err(format!(
+            "{name:?} is not a partition name (1 to 64 letters, digits, '_' and '-')"
+        )),
+        _ => Err(format!(
+            "expected NAME={}, the partition's name first (e.g. system={s})",
+            if s.contains('=') { "VALUE" } else { "..." }
+        )),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::parse_size;
+
+    #[test]
+    fn a_value_without_its_partition_name_is_a_usage_error() {
+        assert_eq!(super::name_eq("system=a.img").unwrap(), "system=a.img");
+        for bad in ["old.img", "=a.img", "system=", "a b=x"] {
+            assert!(super::name_eq(bad).is_err(), "{bad}");
+        }
+        assert!(
+            super::name_eq("old.img")
+                .unwrap_err()
+                .contains("system=old.img")
+        );
+    }
 
     #[test]
     fn sizes() {

@@ -69,7 +69,7 @@ enum Command {
 }
 
 fn main() -> std::process::ExitCode {
-    let cli = Cli::parse();
+    let cli = Cli::try_parse().unwrap_or_else(|e| with_tips(e).exit());
     progress::init(cli.no_progress || cli.quiet);
     init_logging(cli.quiet, cli.verbose);
     let serving = match &cli.command {
@@ -117,6 +117,9 @@ fn main() -> std::process::ExitCode {
         Command::Man(a) => cmd::docs::man(a, Cli::command()),
         Command::Completions(a) => cmd::docs::completions(a, Cli::command()),
     };
+    // Whatever temporary file an error left registered (most are gone already) and
+    // the record `vabc cleanup` would have read.
+    output::remove_pending();
     match result {
         Ok(code) => code,
         Err(e) => {
@@ -132,6 +135,34 @@ fn main() -> std::process::ExitCode {
             }
         }
     }
+}
+
+/// clap's usage error, with the next step where clap's own message stops short.
+fn with_tips(mut e: clap::Error) -> clap::Error {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    let missing = |arg: &str| {
+        e.kind() == ErrorKind::MissingRequiredArgument
+            && matches!(e.get(ContextKind::InvalidArg), Some(ContextValue::Strings(v))
+                if v.iter().any(|a| a.starts_with(arg)))
+    };
+    let tip = if missing("--key <KEY.pem>") {
+        Some(
+            "sign with --key KEY.pem (an Ed25519 private key: openssl genpkey -algorithm ed25519), or make an unsigned bundle with --unsigned",
+        )
+    } else if missing("--key <PUB.pem>") {
+        Some(
+            "check the signature with --key PUB.pem (openssl pkey -in KEY.pem -pubout), or accept a bundle without checking it with --allow-unsigned",
+        )
+    } else {
+        None
+    };
+    if let Some(tip) = tip {
+        e.insert(
+            ContextKind::Suggested,
+            ContextValue::StyledStrs(vec![tip.into()]),
+        );
+    }
+    e
 }
 
 /// Messages of every crate through `log`: the text alone on stderr, as the commands

@@ -12,38 +12,143 @@ use tempfile::NamedTempFile;
 /// A temporary file in `dest`'s directory (same file system, so the final rename is
 /// atomic), named `.NAME.XXXXXX.tmp` after `dest`.
 pub fn temp_beside(dest: &Path) -> Result<NamedTempFile> {
-    let dir = match dest.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
+    let dir = parent_of(dest);
     let name = dest
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let tmp = tempfile::Builder::new()
-        .prefix(&format!(".{name}."))
-        .suffix(".tmp")
-        .tempfile_in(&dir)
-        .with_context(|| format!("create a temporary file in {}", dir.display()))?;
-    pending(tmp.path());
-    Ok(tmp)
+    registered(
+        || {
+            tempfile::Builder::new()
+                .prefix(&format!(".{name}."))
+                .suffix(".tmp")
+                .tempfile_in(&dir)
+                .with_context(|| format!("create a temporary file in {}", dir.display()))
+        },
+        |t| t.path().to_path_buf(),
+    )
 }
 
-/// Registers a temporary file made elsewhere (the COW writer's) for removal on a signal.
+/// A temporary folder beside `dest` (`.vabc-WHAT.XXXXXX`), removed with what it holds
+/// on a signal, on drop, and by `vabc cleanup` after a SIGKILL.
+pub fn temp_dir_beside(dest: &Path, what: &str) -> Result<tempfile::TempDir> {
+    let dir = parent_of(dest);
+    registered(
+        || {
+            tempfile::Builder::new()
+                .prefix(&format!(".vabc-{what}."))
+                .tempdir_in(&dir)
+                .with_context(|| format!("create a work folder in {}", dir.display()))
+        },
+        |t| t.path().to_path_buf(),
+    )
+}
+
+/// Refuses an output path (given as `option`) that cannot become a file: an existing
+/// folder, or one in a folder that does not exist. Checked before any work, so that a
+/// long run does not end in a failed rename.
+pub fn check_dest(dest: &Path, option: &str) -> Result<()> {
+    if dest.is_dir() {
+        anyhow::bail!(
+            "{option} {}: is a folder; name the file to write (e.g. {})",
+            dest.display(),
+            dest.join("update.vabc").display()
+        );
+    }
+    let dir = parent_of(dest);
+    if !dir.is_dir() {
+        anyhow::bail!(
+            "{option} {}: the folder {} does not exist; create it first",
+            dest.display(),
+            dir.display()
+        );
+    }
+    Ok(())
+}
+
+fn parent_of(dest: &Path) -> PathBuf {
+    match dest.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    }
+}
+
+/// Makes a temporary file or folder and registers it in one step: the signal thread
+/// takes the same lock, so nothing is created that a signal could leave behind.
+fn registered<T>(make: impl FnOnce() -> Result<T>, path: impl Fn(&T) -> PathBuf) -> Result<T> {
+    let mut pending = lock();
+    let made = make()?;
+    pending.push(path(&made));
+    persist(&pending);
+    Ok(made)
+}
+
+/// Registers a temporary file made elsewhere (the COW writer's, or one about to be
+/// created under a fixed name) for removal on a signal.
 pub fn pending(path: &Path) {
-    PENDING
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .push(path.to_path_buf());
+    let mut pending = lock();
+    pending.push(path.to_path_buf());
+    persist(&pending);
 }
 
-/// Temporary files not yet renamed into place (some may be gone already, deleted on an
-/// error): what a signal must remove.
+/// The temporary files and folders not yet renamed into place (some may be gone
+/// already, deleted on an error): what a signal must remove.
 static PENDING: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
 
-/// On SIGINT, SIGTERM or SIGHUP: delete every pending temporary file, say so (with
-/// `note`, e.g. how to resume), and exit with 128 + the signal's number, as a shell
-/// reports a process killed by it.
+/// The record of them that `vabc cleanup` reads should this process be killed.
+static RECORD: Mutex<Option<serve::leftovers::RecordFile>> = Mutex::new(None);
+
+fn lock() -> std::sync::MutexGuard<'static, Vec<PathBuf>> {
+    PENDING.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Rewrites this process's record of its temporary files (or removes it when there
+/// are none). Best effort: without a writable run folder, a SIGKILL's leftovers are
+/// not found by `vabc cleanup`, and nothing else changes.
+fn persist(pending: &[PathBuf]) {
+    let mut record = RECORD.lock().unwrap_or_else(|p| p.into_inner());
+    if pending.is_empty() {
+        *record = None; // removes the file
+        return;
+    }
+    let Ok(mut rec) = serve::leftovers::Record::for_self() else {
+        return;
+    };
+    rec.temps = pending
+        .iter()
+        .map(|p| std::path::absolute(p).unwrap_or_else(|_| p.clone()))
+        .collect();
+    match rec.write_as(&serve::leftovers::run_dir(), "temps") {
+        Ok(f) => {
+            // The file is rewritten in place: forget the old handle without deleting.
+            if let Some(old) = record.replace(f) {
+                std::mem::forget(old);
+            }
+        }
+        Err(e) => log::debug!("vabc: no record of temporary files: {e}"),
+    }
+}
+
+/// Forgets `path` (renamed into place, or removed).
+fn done(path: &Path) {
+    let mut pending = lock();
+    pending.retain(|p| p != path);
+    persist(&pending);
+}
+
+/// Removes every temporary file and folder still registered (the command ends, with
+/// or without an error) and this process's record of them.
+pub fn remove_pending() {
+    let mut pending = lock();
+    for p in pending.drain(..) {
+        let _ = serve::leftovers::remove_temp(&p);
+    }
+    persist(&pending);
+}
+
+/// On SIGINT, SIGTERM or SIGHUP: delete every pending temporary file and folder, say
+/// so (with `note`, e.g. how to resume), and exit with 128 + the signal's number, as a
+/// shell reports a process killed by it.
 pub fn on_signal_remove_temps(note: &'static str) -> Result<()> {
     use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
     let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP])
@@ -52,11 +157,10 @@ pub fn on_signal_remove_temps(note: &'static str) -> Result<()> {
         .name("vabc-signals".into())
         .spawn(move || {
             if let Some(sig) = signals.forever().next() {
-                let pending = PENDING.lock().unwrap_or_else(|p| p.into_inner());
-                for p in pending.iter() {
-                    let _ = std::fs::remove_file(p);
-                }
+                remove_pending();
                 eprintln!("vabc: interrupted; {note}");
+                // Held until exit: no other thread registers a file from here on.
+                let _held = lock();
                 std::process::exit(128 + sig);
             }
         })
@@ -69,15 +173,18 @@ pub fn commit(tmp: NamedTempFile, dest: &Path) -> Result<()> {
     tmp.as_file()
         .sync_all()
         .with_context(|| format!("fsync {}", tmp.path().display()))?;
-    PENDING
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .retain(|p| p != tmp.path());
     // Temporary files are created 0600; the output gets the mode any new file would.
     set_default_mode(tmp.path())?;
-    tmp.persist(dest)
-        .with_context(|| format!("rename the temporary file to {}", dest.display()))?;
-    Ok(())
+    let path = tmp.path().to_path_buf();
+    let r = tmp.persist(dest).map_err(|e| e.error).with_context(|| {
+        format!(
+            "rename the temporary file {} to {}",
+            path.display(),
+            dest.display()
+        )
+    });
+    done(&path);
+    r.map(|_| ())
 }
 
 /// Gives a regular file the mode a newly created file gets (0666 less the umask);

@@ -307,10 +307,17 @@ fn an_update_boots_from_its_cow_merges_once_marked_good_and_leaves_a_clean_store
         ]
     );
 
-    // Not before this boot runs the update.
+    // Not before this boot runs the update; with no boot record where it looked, the
+    // message names the folder it looked in and the option that points elsewhere.
     let o = d.mark_good();
     assert_eq!(o.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&o.stderr).contains("does not run the update"));
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        e.contains("does not run the update")
+            && e.contains("another --run-dir than")
+            && e.contains(s(&d.run)),
+        "{e}"
+    );
     assert_eq!(d.state()["state"], "installed");
 
     let b = d.boot();
@@ -886,8 +893,76 @@ fn a_base_of_another_size_is_not_the_partition() {
         s(&d.dir.path().join("e.vabc")),
         "--unsigned",
     ]);
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{e}");
+    assert!(
+        e.contains("OLD is empty") && e.contains("--full system=NEW"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_full_image_installs_over_any_base_of_its_partitions_size() {
+    let d = Device::new();
+    // Whatever the partition holds: a full image reads none of it.
+    let size = std::fs::metadata(&d.base).unwrap().len();
+    let junk: Vec<u8> = (0..size).map(|i| ((i * 2654435761) >> 13) as u8).collect();
+    std::fs::write(&d.base, &junk).unwrap();
+    let full = d.dir.path().join("full.vabc");
+    let new = corpus_image("tiny", "new", "ext4");
+    let key = d.dir.path().join("k.pem");
+    let make = |extra: &[&str]| {
+        let mut args = vec![
+            "bundle".to_string(),
+            "create".into(),
+            "--full".into(),
+            format!("system={}", new.display()),
+            "-o".into(),
+            s(&full).into(),
+            "--key".into(),
+            s(&key).into(),
+            "--verity".into(),
+        ];
+        args.extend(extra.iter().map(|a| a.to_string()));
+        run_vabc(&args.iter().map(String::as_str).collect::<Vec<_>>())
+    };
+    // The partition is NEW's size unless said otherwise; a size below it is refused.
+    let o = make(&["--partition-size", "system=4096"]);
     assert_eq!(o.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&o.stderr).contains("larger than OLD"));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("at least NEW's"));
+    let o = make(&["--partition-size", &format!("system={}", size + 4096)]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let info = json(&ok(&["bundle", "info", s(&full), "--json"]));
+    let p = &info["manifest"]["partitions"][0];
+    assert_eq!(p["full"], true, "{info}");
+    assert_eq!(p["image"]["base"]["size"], 0, "{info}");
+    assert_eq!(p["plan"]["copy"], 0, "{info}");
+    assert_eq!(p["plan"]["xor"], 0, "{info}");
+    // Stated for a larger partition than this one: refused, nothing kept.
+    let args = d.install_args(&full);
+    let o = run_vabc(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(3), "{e}");
+    assert!(
+        e.contains("not the partition the bundle was made for"),
+        "{e}"
+    );
+    assert_eq!(d.store_files(), ["state"]);
+    // For this partition's size: installs, boots the new image, merges it in place.
+    let o = make(&[]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    ok(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let b = d.boot();
+    assert_eq!(b["partitions"][0]["served"], true, "{b}");
+    assert_eq!(sha256_file(&device_of(&b)), d.new_sha);
+    let o = d.mark_good();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let t = Instant::now();
+    while d.state()["state"] != "merged" {
+        assert!(t.elapsed() < Duration::from_secs(120), "{}", d.state());
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(sha256_file(&d.base), d.new_sha, "merged in place");
 }
 
 #[test]

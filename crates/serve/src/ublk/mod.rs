@@ -73,7 +73,10 @@ pub const SECTOR_SHIFT: u32 = 9;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum UblkError {
-    #[error("ublk: {path} not found: kernel module ublk_drv not loaded")]
+    #[error(
+        "ublk: {path} not found: kernel module ublk_drv not loaded; load it (`modprobe ublk_drv`, \
+         Linux 6.0 or later with CONFIG_BLK_DEV_UBLK) or serve with --nbd or --fuse instead"
+    )]
     NoDriver { path: PathBuf },
     #[error("ublk: {op} {path}: {source}")]
     Io {

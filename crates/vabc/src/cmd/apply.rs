@@ -40,6 +40,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
         .with_context(|| format!("cannot read COW {}", a.cow.display()))?;
     let base =
         File::open(&a.base).with_context(|| format!("cannot open base {}", a.base.display()))?;
+    crate::output::check_dest(&a.output, "-o")?;
     for input in [&a.base, &a.cow] {
         if same_file(input, &a.output) {
             bail!(

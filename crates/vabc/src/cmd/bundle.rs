@@ -54,9 +54,20 @@ struct CreateArgs {
         short = 'p',
         long = "partition",
         value_name = "NAME=OLD,NEW",
-        required = true
+        required_unless_present = "full",
+        value_parser = crate::args::name_eq
     )]
     partitions: Vec<String>,
+    /// A partition's full image, an update without a base: its COW writes every block
+    /// (ZERO and REPLACE only), so it installs over whatever the partition holds, as
+    /// long as the partition has the size the bundle states (--partition-size, or
+    /// NEW's size). Larger than a delta; for a first install or a lost base.
+    #[arg(long = "full", value_name = "NAME=NEW", value_parser = crate::args::name_eq)]
+    full: Vec<String>,
+    /// Size of a --full partition on the device (default: its NEW's size); a device's
+    /// partition of another size is refused.
+    #[arg(long = "partition-size", value_name = "NAME=SIZE", value_parser = crate::args::name_eq)]
+    partition_sizes: Vec<String>,
     /// Where to write the bundle.
     #[arg(short = 'o', long = "output")]
     output: PathBuf,
@@ -166,6 +177,10 @@ fn release_of(a: &CreateArgs) -> Result<bundle::Release> {
 struct InfoArgs {
     /// The bundle (`-` for stdin).
     bundle: PathBuf,
+    /// Also check the signature with this public key (as `verify` does; without it,
+    /// info shows an unchecked manifest and says so).
+    #[arg(long, value_name = "PUB.pem")]
+    key: Option<PathBuf>,
     /// Print the manifest as JSON on stdout.
     #[arg(long)]
     json: bool,
@@ -219,7 +234,7 @@ struct PlanArgs {
     /// The bundle (`-` for stdin; only its manifest is read).
     bundle: PathBuf,
     /// A partition's base image. Every partition of the bundle needs one.
-    #[arg(short = 'b', long = "base", value_name = "NAME=PATH", required = true)]
+    #[arg(short = 'b', long = "base", value_name = "NAME=PATH", required = true, value_parser = crate::args::name_eq)]
     bases: Vec<String>,
     #[command(flatten)]
     key: KeyArgs,
@@ -240,7 +255,7 @@ struct InstallArgs {
     bundle: PathBuf,
     /// A partition's base image (its old image, on the device). Every partition of the
     /// bundle needs one.
-    #[arg(short = 'b', long = "base", value_name = "NAME=PATH", required = true)]
+    #[arg(short = 'b', long = "base", value_name = "NAME=PATH", required = true, value_parser = crate::args::name_eq)]
     bases: Vec<String>,
     /// Where to write, per partition, NAME.cow and NAME.cow.manifest (install) or
     /// NAME.img (apply).
@@ -309,6 +324,9 @@ struct CreateReport {
 #[derive(Serialize)]
 struct PartReport {
     name: String,
+    /// A full image (no base).
+    full: bool,
+    partition_size: u64,
     base_size: u64,
     new_size: u64,
     payload_bytes: u64,
@@ -325,6 +343,8 @@ struct PartReport {
 fn part_report(p: &Partition) -> PartReport {
     PartReport {
         name: p.name.clone(),
+        full: p.full,
+        partition_size: p.partition_bytes(),
         base_size: p.image.base.size,
         new_size: p.image.new.size,
         payload_bytes: p.payload.length,
@@ -356,32 +376,50 @@ fn create(a: CreateArgs) -> Result<ExitCode> {
     if !(2..=3).contains(&a.cow_version) {
         bail!("--cow-version {}: 2 or 3", a.cow_version);
     }
-    let mut parts = Vec::new();
+    let mut parts: Vec<(String, Option<PathBuf>, PathBuf)> = Vec::new();
+    let mut add = |name: String, old: Option<PathBuf>, new: PathBuf| {
+        if parts.iter().any(|(n, _, _)| *n == name) {
+            bail!("partition {name}: named twice");
+        }
+        parts.push((name, old, new));
+        Ok(())
+    };
     for s in &a.partitions {
         let (name, rest) = split_name(s, "--partition")?;
         let Some((old, new)) = rest.split_once(',') else {
             bail!("--partition {s:?}: expected NAME=OLD,NEW");
         };
-        if parts
-            .iter()
-            .any(|(n, _, _): &(String, PathBuf, PathBuf)| *n == name)
-        {
-            bail!("--partition {name}: named twice");
+        add(name, Some(PathBuf::from(old)), PathBuf::from(new))?;
+    }
+    for s in &a.full {
+        let (name, new) = split_name(s, "--full")?;
+        add(name, None, PathBuf::from(new))?;
+    }
+    let mut sizes = std::collections::BTreeMap::new();
+    for s in &a.partition_sizes {
+        let (name, size) = split_name(s, "--partition-size")?;
+        let size = crate::args::parse_size(&size)
+            .map_err(|e| anyhow::anyhow!("--partition-size {s:?}: {e}"))?;
+        match parts.iter().find(|(n, _, _)| *n == name) {
+            Some((_, None, _)) => {}
+            Some((_, Some(old), _)) => bail!(
+                "--partition-size {name}: a delta's partition is its OLD ({}), whole; \
+                 --partition-size is for --full partitions",
+                old.display()
+            ),
+            None => bail!("--partition-size {name}: no --full partition of that name"),
         }
-        parts.push((name, PathBuf::from(old), PathBuf::from(new)));
+        if sizes.insert(name.clone(), size).is_some() {
+            bail!("--partition-size {name}: given twice");
+        }
     }
     let release = release_of(&a)?;
-    let mut writer = BundleWriter::new(&a.output)?;
+    crate::output::check_dest(&a.output, "-o")?;
+    // Every temporary file goes into one work folder beside the output, which an
+    // interrupt or `vabc cleanup` removes whole.
+    let work = crate::output::temp_dir_beside(&a.output, "bundle")?;
+    let mut writer = BundleWriter::new_in(&a.output, work.path())?;
     writer.set_release(release);
-    let work = tempfile::Builder::new()
-        .prefix(".vabc-bundle.")
-        .tempdir_in(
-            a.output
-                .parent()
-                .filter(|p| !p.as_os_str().is_empty())
-                .unwrap_or(Path::new(".")),
-        )
-        .context("create a work folder beside the output")?;
     let copts = CowOptions {
         version: a.cow_version,
         compression,
@@ -390,19 +428,14 @@ fn create(a: CreateArgs) -> Result<ExitCode> {
         block_order: a.block_order,
     };
     for (name, old_path, new_path) in &parts {
-        let part = create_partition(
-            &a,
-            &mut writer,
-            work.path(),
-            name,
-            old_path,
-            new_path,
-            &copts,
-        )
-        .with_context(|| format!("partition {name}"))?;
+        let old = match old_path {
+            Some(old) => Base::Image(old),
+            None => Base::None(sizes.get(name).copied()),
+        };
+        let part = create_partition(&a, &mut writer, work.path(), name, old, new_path, &copts)
+            .with_context(|| format!("partition {name}"))?;
         writer.add_partition(part)?;
     }
-    crate::output::pending(&a.output);
     let created_by = format!("vabc {}", env!("CARGO_PKG_VERSION"));
     let manifest = writer.finish(key.as_ref(), &created_by)?;
     crate::output::set_default_mode(&a.output)?;
@@ -449,18 +482,50 @@ fn create(a: CreateArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// What a partition's update is made against.
+enum Base<'a> {
+    /// A delta from this old image, which is the whole partition.
+    Image(&'a Path),
+    /// A full image, for a partition of this size (default: the new image's).
+    None(Option<u64>),
+}
+
 fn create_partition(
     a: &CreateArgs,
     writer: &mut BundleWriter,
     work: &Path,
     name: &str,
-    old_path: &Path,
+    base: Base,
     new_path: &Path,
     copts: &CowOptions,
 ) -> Result<Partition> {
-    let old = ImageFile::open(old_path, false)?;
     let new = ImageFile::open(new_path, false)?;
-    {
+    // A full image is planned against an empty base: every block is then ZERO or
+    // REPLACE, and nothing is read from the device's partition.
+    let (old_path, full_size) = match base {
+        Base::Image(p) => (p.to_path_buf(), None),
+        Base::None(size) => {
+            let empty = work.join(format!("{name}.no-base"));
+            std::fs::File::create(&empty).with_context(|| format!("create {}", empty.display()))?;
+            let size = size.unwrap_or(new.size());
+            if size < new.size() || size % 4096 != 0 {
+                bail!(
+                    "--partition-size {name}={size}: a multiple of 4096 of at least NEW's {} bytes",
+                    new.size()
+                );
+            }
+            (empty, Some(size))
+        }
+    };
+    let old_path = old_path.as_path();
+    let old = ImageFile::open(old_path, false)?;
+    if full_size.is_none() {
+        if old.size() == 0 {
+            bail!(
+                "{}: OLD is empty; an update without a base is a full image: --full {name}=NEW",
+                old_path.display()
+            );
+        }
         if new.size() > old.size() {
             bail!(
                 "{}: NEW is {} bytes, larger than OLD {} ({} bytes), which the bundle takes as \
@@ -552,7 +617,8 @@ fn create_partition(
     Ok(Partition {
         // OLD is the whole partition: the device's base must be as large, so that
         // the base identity covers every byte of it.
-        partition_size: image.base.size,
+        partition_size: full_size.unwrap_or(image.base.size),
+        full: full_size.is_some(),
         name: name.to_string(),
         image,
         cow: CowParams {
@@ -604,7 +670,8 @@ fn open_input(path: &Path) -> Result<Box<dyn bundle::Source>> {
 }
 
 fn info(a: InfoArgs) -> Result<ExitCode> {
-    let r = BundleReader::open(open_input(&a.bundle)?, &a.bundle, Trust::Unchecked)?;
+    let key = a.key.as_deref().map(PublicKey::load).transpose()?;
+    let r = BundleReader::open(open_input(&a.bundle)?, &a.bundle, trust(&key))?;
     let m = r.manifest();
     if a.json {
         #[derive(Serialize)]
@@ -613,6 +680,8 @@ fn info(a: InfoArgs) -> Result<ExitCode> {
             bundle: &'a Path,
             format_version: u32,
             signed: bool,
+            /// Whether --key checked the signature (a failed check is an error).
+            signature_checked: bool,
             payload_bytes: u64,
             manifest: &'a BundleManifest,
         }
@@ -621,6 +690,7 @@ fn info(a: InfoArgs) -> Result<ExitCode> {
             bundle: &a.bundle,
             format_version: bundle::FORMAT_VERSION,
             signed: r.is_signed(),
+            signature_checked: key.is_some(),
             payload_bytes: m.payload_bytes(),
             manifest: m,
         };
@@ -628,19 +698,31 @@ fn info(a: InfoArgs) -> Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     println!(
-        "{}: vabc bundle version {}, made by {}, {} (signature not checked; `vabc bundle verify` checks it)",
+        "{}: vabc bundle version {}, made by {}, {} ({})",
         a.bundle.display(),
         bundle::FORMAT_VERSION,
         m.created_by,
         match (&m.signer, r.is_signed()) {
             (Some(id), true) => format!("signed by key {id}"),
             _ => "unsigned".into(),
+        },
+        match &key {
+            Some(k) => format!("the signature verifies with key {}", k.id()),
+            None => "signature not checked; --key PUB.pem checks it".into(),
         }
     );
     for p in &m.partitions {
+        let base = if p.full {
+            format!("full image for a {}-byte partition", p.partition_bytes())
+        } else {
+            format!(
+                "base {} bytes (sha256 {})",
+                p.image.base.size, p.image.base.sha256
+            )
+        };
         println!(
-            "  {}: base {} bytes (sha256 {}), new {} bytes (sha256 {})",
-            p.name, p.image.base.size, p.image.base.sha256, p.image.new.size, p.image.new.sha256
+            "  {}: {base}, new {} bytes (sha256 {})",
+            p.name, p.image.new.size, p.image.new.sha256
         );
         println!(
             "    payload {} bytes; blocks: {} unchanged, {} copy, {} xor, {} zero, {} replace",
@@ -862,6 +944,13 @@ fn bases(specs: &[String], m: &BundleManifest) -> Result<Vec<PathBuf>> {
 
 fn install(a: InstallArgs) -> Result<Vec<Installed>> {
     let key = a.key.load()?;
+    // The output folder is made if it is missing (its parent must exist), and removed
+    // again if the install fails before writing anything into it.
+    let made = !a.out_dir.exists();
+    if made {
+        std::fs::create_dir(&a.out_dir)
+            .with_context(|| format!("--out-dir {}: cannot create it", a.out_dir.display()))?;
+    }
     let done = install_into(
         &a.bundle,
         &a.bases,
@@ -869,7 +958,12 @@ fn install(a: InstallArgs) -> Result<Vec<Installed>> {
         trust(&key),
         a.threads,
         &mut |_, _, _| Ok(()),
-    )?;
+    )
+    .inspect_err(|_| {
+        if made {
+            let _ = std::fs::remove_dir(&a.out_dir);
+        }
+    })?;
     if a.json {
         let out = serde_json::json!({
             "schema_version": crate::SCHEMA_VERSION,
@@ -1519,10 +1613,7 @@ fn apply(a: InstallArgs) -> Result<ExitCode> {
     if !a.out_dir.is_dir() {
         bail!("--out-dir {}: not a directory", a.out_dir.display());
     }
-    let work = tempfile::Builder::new()
-        .prefix(".vabc-bundle-apply.")
-        .tempdir_in(&a.out_dir)
-        .with_context(|| format!("create a work folder in {}", a.out_dir.display()))?;
+    let work = crate::output::temp_dir_beside(&a.out_dir.join("x"), "bundle-apply")?;
     let done = install_into(
         &a.bundle,
         &a.bases,

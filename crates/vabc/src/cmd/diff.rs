@@ -274,6 +274,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             );
         }
     }
+    crate::output::check_dest(&args.output, "-o")?;
     let old = ImageFile::open(old_path, args.pad)?;
     let new = ImageFile::open(new_path, args.pad)?;
     let bar = Bar {

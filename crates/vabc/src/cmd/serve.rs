@@ -431,6 +431,19 @@ impl Preflight {
                         .with_context(|| format!("remove the old ready report {}", p.display()));
                 }
             }
+            // Its folder must be there before serving starts, not found missing once
+            // a device is up (a unit without RuntimeDirectory=, a typo).
+            let dir = p.parent().filter(|d| !d.as_os_str().is_empty());
+            if let Some(dir) = dir
+                && !dir.is_dir()
+            {
+                bail!(
+                    "--ready-file {}: the folder {} does not exist; create it first (a \
+                     systemd unit: RuntimeDirectory=)",
+                    p.display(),
+                    dir.display()
+                );
+            }
         }
         let nbd_tls = match (&args.nbd_tls_cert, &args.nbd_tls_key, &nbd_addr) {
             (Some(_), _, Some(NbdAddr::Unix(_))) => {

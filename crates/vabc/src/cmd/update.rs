@@ -255,7 +255,7 @@ struct InstallArgs {
     /// The bundle: a file, `-` for stdin, or an http(s):// URL.
     bundle: PathBuf,
     /// Each partition's base device (or image): NAME=PATH, once per partition.
-    #[arg(short = 'b', long = "base", value_name = "NAME=PATH", required = true)]
+    #[arg(short = 'b', long = "base", value_name = "NAME=PATH", required = true, value_parser = crate::args::name_eq)]
     bases: Vec<String>,
     #[command(flatten)]
     keys: DeviceKeys,
@@ -301,7 +301,7 @@ struct BootArgs {
     #[command(flatten)]
     store: StoreArgs,
     /// Base devices to print when no update is to be booted: NAME=PATH.
-    #[arg(short = 'b', long = "base", value_name = "NAME=PATH")]
+    #[arg(short = 'b', long = "base", value_name = "NAME=PATH", value_parser = crate::args::name_eq)]
     bases: Vec<String>,
     #[arg(long, value_enum, default_value = "ublk")]
     frontend: Frontend,
@@ -1209,13 +1209,22 @@ fn mark_good(m: MarkGoodArgs) -> Result<ExitCode> {
     if !runs_update {
         return Err(store
             .refused(format!(
-                "this boot does not run the update ({} says {}): reboot to try it again, or \
-                 roll it back; nothing was changed",
+                "this boot does not run the update ({} says {}): {}; nothing was changed",
                 record.display(),
                 match &booted {
                     Some(b) if b["snapshot"] == false => "the base was booted".to_string(),
                     Some(_) => "another update".to_string(),
                     None => "nothing".to_string(),
+                },
+                match &booted {
+                    // No record where this command looked: the boot may have written it
+                    // elsewhere.
+                    None => format!(
+                        "if `vabc update boot` ran with another --run-dir than {}, give \
+                         that one here; else reboot to try the update again, or roll it back",
+                        m.run_dir.display()
+                    ),
+                    Some(_) => "reboot to try the update again, or roll it back".to_string(),
                 }
             ))
             .into());
