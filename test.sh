@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite: formatting, lints, unit, property, interop and
-# integration tests (some mount real filesystems: run as root on Linux), then
-# the VM tier: every frontend on a stock kernel with ublk, NBD and
-# device-mapper, then the device scenario (boots from base + COW, power cuts,
+# integration tests (some mount real filesystems: run as root on Linux), the
+# packages (.deb and static binary, installed in a fresh chroot), then the VM
+# tier: every frontend on a stock kernel with ublk, NBD and device-mapper, then
+# the device scenario (boots from base + COW, power cuts,
 # rollback) (tests/vm/, about 8 minutes under software emulation).
 # CI runs exactly this (.ci/run). VABC_SKIP_VM=1 leaves the VM tier out (it
 # then says so).
@@ -24,6 +25,12 @@ scripts/install-deps.sh
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo test --workspace --locked
+# The packages as shipped: the .deb of the binary the tests just ran (stripped, with
+# its unit and initramfs step) and the static build, installed and run in a fresh
+# Debian chroot (systemd-analyze verify on every unit).
+scripts/package.sh deb --binary "${CARGO_TARGET_DIR:-target}/debug/vabc"
+scripts/package.sh musl
+scripts/test-package.sh --musl "${CARGO_TARGET_DIR:-target}/x86_64-unknown-linux-musl/release/vabc"
 if [ "${VABC_SKIP_VM:-0}" = 1 ]; then
 	echo "test.sh: VABC_SKIP_VM=1: the VM tier (tests/vm/conformance.sh, tests/vm/device.sh) was NOT run"
 	exit 0

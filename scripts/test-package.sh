@@ -50,7 +50,7 @@ cp "$ROOTFS/tmp/old.img" "$ROOTFS/tmp/new.img"
 head -c 1M /dev/urandom | dd of="$ROOTFS/tmp/new.img" bs=1M seek=3 conv=notrunc status=none
 if [ -n "$MUSL" ]; then
 	stripped "$MUSL" || { say "FAIL: the static binary is not stripped"; exit 1; }
-	file "$MUSL" | grep -q 'statically linked' || { say "FAIL: $MUSL is not static: $(file "$MUSL")"; exit 1; }
+	file "$MUSL" | grep -qE 'static(ally|-pie) linked' || { say "FAIL: $MUSL is not static: $(file "$MUSL")"; exit 1; }
 	cp "$MUSL" "$ROOTFS/tmp/vabc-static"
 	say "static binary: $(stat -c %s "$MUSL") bytes"
 fi
@@ -65,6 +65,11 @@ chroot "$ROOTFS" /bin/sh -ec '
 		systemd-analyze verify --man=no "$u"
 		echo "unit $(basename "$u"): systemd-analyze verify clean"
 	done
+	# The check has teeth: the unit as it once was (ExecStart in /usr/local/bin) fails.
+	sed "s#/usr/bin/vabc#/usr/local/bin/vabc#" /usr/lib/systemd/system/vabc-serve@.service \
+		>/tmp/vabc-serve@old.service
+	systemd-analyze verify --man=no /tmp/vabc-serve@old.service 2>&1 | grep -q "is not executable" ||
+		{ echo "systemd-analyze verify did not flag a missing ExecStart binary"; exit 1; }
 	ls /usr/share/vabc/vabc-boot.sh /usr/share/initramfs-tools/hooks/vabc \
 		/usr/share/man/man1/vabc-diff.1.gz >/dev/null
 	roundtrip() { # BINARY

@@ -115,9 +115,20 @@ pub trait Progress: Sync {
     fn start(&self, _phase: &'static str, _total: u64) {}
     fn advance(&self, _n: u64) {}
     fn finish(&self) {}
-    /// The output is being written to this temporary file until it is complete (a
-    /// caller that handles signals can delete it if interrupted).
-    fn temp_file(&self, _path: &std::path::Path) {}
+    /// Makes the temporary file the output is written to until it is complete,
+    /// `.NAME.XXXXXX.tmp` in `dir` after the output's NAME. A caller that handles
+    /// signals makes and registers it in one step, so that an interrupt never leaves
+    /// one behind.
+    fn make_temp(
+        &self,
+        dir: &std::path::Path,
+        name: &str,
+    ) -> std::io::Result<tempfile::NamedTempFile> {
+        tempfile::Builder::new()
+            .prefix(&format!(".{name}."))
+            .suffix(".tmp")
+            .tempfile_in(dir)
+    }
 }
 
 /// A [`Progress`] that reports nothing.

@@ -212,17 +212,14 @@ pub fn write_cow(
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let tmp = tempfile::Builder::new()
-        .prefix(&format!(".{name}."))
-        .suffix(".tmp")
-        .tempfile_in(&dir)
+    let tmp = progress
+        .make_temp(&dir, &name)
         .map_err(|source| DeltaError::Open {
             path: dir.clone(),
             op: "create a temporary file in",
             source,
         })?;
     let tmp_path = tmp.path().to_path_buf();
-    progress.temp_file(&tmp_path);
 
     let wopts = WriterOptions {
         version: opts.version,

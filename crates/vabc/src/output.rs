@@ -73,9 +73,55 @@ fn parent_of(dest: &Path) -> PathBuf {
     }
 }
 
+/// A temporary file `.NAME.XXXXXX.tmp` in `dir`, registered (for writers in other
+/// crates: `delta::Progress::make_temp`).
+pub fn temp_in(dir: &Path, name: &str) -> std::io::Result<NamedTempFile> {
+    registered(
+        || {
+            tempfile::Builder::new()
+                .prefix(&format!(".{name}."))
+                .suffix(".tmp")
+                .tempfile_in(dir)
+        },
+        |t| t.path().to_path_buf(),
+    )
+}
+
+/// Writes `dest` with `write`, one of several files that together are a command's
+/// output (a COW, its manifest and tree): from the moment it is in place until
+/// [`keep_outputs`], an interrupt or an error removes it, so that a command that
+/// did not finish leaves none of them.
+pub fn part_of_output<T>(dest: &Path, write: impl FnOnce() -> Result<T>) -> Result<T> {
+    // Registered before it is written (renamed into place), so that no moment is left
+    // where it is there and unregistered; an interrupt before the rename removes the
+    // file it was about to replace, which the command was replacing anyway. Never a
+    // device or a folder.
+    let regular = std::fs::symlink_metadata(dest).map_or(true, |m| m.is_file());
+    if regular {
+        OUTPUTS
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(dest.to_path_buf());
+    }
+    write()
+}
+
+/// The command finished: the files written with [`part_of_output`] stay.
+pub fn keep_outputs() {
+    OUTPUTS.lock().unwrap_or_else(|p| p.into_inner()).clear();
+}
+
+/// Outputs of an unfinished command ([`part_of_output`]): removed by a signal or an
+/// error, not recorded for `vabc cleanup` (they are not temporary names, and a
+/// SIGKILL leaves a command's outputs as they are, as it does any program's).
+static OUTPUTS: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
 /// Makes a temporary file or folder and registers it in one step: the signal thread
 /// takes the same lock, so nothing is created that a signal could leave behind.
-fn registered<T>(make: impl FnOnce() -> Result<T>, path: impl Fn(&T) -> PathBuf) -> Result<T> {
+fn registered<T, E>(
+    make: impl FnOnce() -> std::result::Result<T, E>,
+    path: impl Fn(&T) -> PathBuf,
+) -> std::result::Result<T, E> {
     let mut pending = lock();
     let made = make()?;
     pending.push(path(&made));
@@ -137,13 +183,21 @@ fn done(path: &Path) {
 }
 
 /// Removes every temporary file and folder still registered (the command ends, with
-/// or without an error) and this process's record of them.
+/// or without an error), this process's record of them, and the outputs of a command
+/// that did not finish ([`part_of_output`]).
 pub fn remove_pending() {
     let mut pending = lock();
     for p in pending.drain(..) {
         let _ = serve::leftovers::remove_temp(&p);
     }
     persist(&pending);
+    for o in OUTPUTS.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
+        // A folder only if it is empty: what it holds is a resumable command's work.
+        let _ = match o.is_dir() {
+            true => std::fs::remove_dir(o),
+            false => std::fs::remove_file(o),
+        };
+    }
 }
 
 /// On SIGINT, SIGTERM or SIGHUP: delete every pending temporary file and folder, say

@@ -273,6 +273,19 @@ fn the_documented_install_gives_manual_pages_and_completions() {
         o.status.success() && page.contains("--compression"),
         "{page}"
     );
+    // The synopsis is the command as typed, each option with its value.
+    let synopsis = page
+        .split("SYNOPSIS")
+        .nth(1)
+        .and_then(|t| t.split("DESCRIPTION").next())
+        .unwrap_or_default()
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ");
+    assert!(
+        synopsis.starts_with("vabc diff ") && synopsis.contains("-o|--output <OUTPUT>"),
+        "{synopsis}"
+    );
     let bash =
         std::fs::read_to_string(prefix.path().join("share/bash-completion/completions/vabc"))
             .unwrap();
@@ -395,5 +408,130 @@ fn trace_json_reports_carry_their_schema_version() {
     has(
         &v["outcome"],
         &["seconds", "reads", "writes", "bytes", "syncs"],
+    );
+}
+
+/// docs/cli.md, "Errors": each message says what to do next, and a usage error
+/// exits 2.
+#[test]
+fn errors_name_the_next_step() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    let img = |name: &str, seed: u8| {
+        let p = d.join(name);
+        let data: Vec<u8> = (0..1u32 << 20)
+            .map(|i| (i.wrapping_mul(2654435761) >> 11) as u8 ^ seed)
+            .collect();
+        std::fs::write(&p, data).unwrap();
+        p
+    };
+    let (old, new) = (img("old.img", 0), img("new.img", 1));
+    let parts = format!("system={},{}", s(&old), s(&new));
+    let says = |args: &[&str], status: i32, words: &[&str]| {
+        let (c, e) = code(args);
+        assert_eq!(c, Some(status), "{args:?}: {e}");
+        for w in words {
+            assert!(e.contains(w), "{args:?}: no {w:?} in: {e}");
+        }
+    };
+    // A partition value without its name: usage (2), with the fix.
+    says(
+        &[
+            "bundle",
+            "install",
+            "u.vabc",
+            "-b",
+            "old.img",
+            "-o",
+            s(d),
+            "--allow-unsigned",
+        ],
+        2,
+        &["expected NAME=", "system=old.img"],
+    );
+    // No key: the tip names the way without one.
+    says(
+        &["bundle", "create", "-p", &parts, "-o", "x.vabc"],
+        2,
+        &["tip:", "--unsigned"],
+    );
+    says(
+        &["bundle", "verify", "x.vabc"],
+        2,
+        &["tip:", "--allow-unsigned"],
+    );
+    // An output that is a folder, or in a folder that is not there: refused at once.
+    says(
+        &["diff", s(&old), s(&new), "-o", s(d)],
+        1,
+        &["is a folder", "name the file to write"],
+    );
+    let nowhere = d.join("no/such/u.cow");
+    says(
+        &["diff", s(&old), s(&new), "-o", s(&nowhere)],
+        1,
+        &["does not exist; create it first"],
+    );
+    says(
+        &["bundle", "create", "-p", &parts, "-o", s(d), "--unsigned"],
+        1,
+        &["is a folder"],
+    );
+    // A folder given as an image.
+    let folder = format!("system={},{}", s(d), s(&new));
+    says(
+        &[
+            "bundle",
+            "create",
+            "-p",
+            &folder,
+            "-o",
+            s(&d.join("f.vabc")),
+            "--unsigned",
+        ],
+        1,
+        &["Is a directory"],
+    );
+    says(
+        &["diff", s(d), s(&new), "-o", s(&d.join("f.cow"))],
+        1,
+        &["Is a directory"],
+    );
+    assert!(!d.join("f.vabc").exists() && !d.join("f.cow").exists());
+    // A ready file whose folder is missing: refused before serving, naming the fix.
+    let cow = d.join("u.cow");
+    let o = run_vabc(&["diff", s(&old), s(&new), "-o", s(&cow)]);
+    assert!(o.status.success());
+    let ready = d.join("run/vabc/ready.json");
+    says(
+        &[
+            "serve",
+            "--base",
+            s(&old),
+            "--cow",
+            s(&cow),
+            "--fuse",
+            s(&d.join("f")),
+            "--ready-file",
+            s(&ready),
+        ],
+        1,
+        &["does not exist; create it first", "RuntimeDirectory="],
+    );
+    // --mount of an image that holds no file system it knows: serve it as a device.
+    let mnt = d.join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    says(
+        &[
+            "serve",
+            "--base",
+            s(&old),
+            "--cow",
+            s(&cow),
+            "--mount",
+            s(&mnt),
+        ],
+        1,
+        &["neither ext4 nor EROFS", "--fuse, --nbd or --ublk"],
     );
 }

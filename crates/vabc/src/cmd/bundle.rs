@@ -945,11 +945,12 @@ fn bases(specs: &[String], m: &BundleManifest) -> Result<Vec<PathBuf>> {
 fn install(a: InstallArgs) -> Result<Vec<Installed>> {
     let key = a.key.load()?;
     // The output folder is made if it is missing (its parent must exist), and removed
-    // again if the install fails before writing anything into it.
-    let made = !a.out_dir.exists();
-    if made {
-        std::fs::create_dir(&a.out_dir)
-            .with_context(|| format!("--out-dir {}: cannot create it", a.out_dir.display()))?;
+    // again if the install is interrupted or fails before it holds anything.
+    if !a.out_dir.exists() {
+        crate::output::part_of_output(&a.out_dir, || {
+            std::fs::create_dir(&a.out_dir)
+                .with_context(|| format!("--out-dir {}: cannot create it", a.out_dir.display()))
+        })?;
     }
     let done = install_into(
         &a.bundle,
@@ -958,12 +959,8 @@ fn install(a: InstallArgs) -> Result<Vec<Installed>> {
         trust(&key),
         a.threads,
         &mut |_, _, _| Ok(()),
-    )
-    .inspect_err(|_| {
-        if made {
-            let _ = std::fs::remove_dir(&a.out_dir);
-        }
-    })?;
+    )?;
+    crate::output::keep_outputs();
     if a.json {
         let out = serde_json::json!({
             "schema_version": crate::SCHEMA_VERSION,

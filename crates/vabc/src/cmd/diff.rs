@@ -151,8 +151,8 @@ impl Bar {
 }
 
 impl Progress for Bar {
-    fn temp_file(&self, path: &Path) {
-        crate::output::pending(path);
+    fn make_temp(&self, dir: &Path, name: &str) -> std::io::Result<tempfile::NamedTempFile> {
+        crate::output::temp_in(dir, name)
     }
     fn start(&self, phase: &'static str, total: u64) {
         if !self.on {
@@ -298,8 +298,12 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         threads: args.threads,
         block_order: args.block_order,
     };
-    let w = write_cow(&plan, &old, &new, &args.output, &copts, &bar)
-        .with_context(|| format!("writing {}", args.output.display()))?;
+    // The COW, its manifest and tree are one output: an interrupt or an error before
+    // the last is written removes those written already.
+    let w = crate::output::part_of_output(&args.output, || {
+        write_cow(&plan, &old, &new, &args.output, &copts, &bar)
+            .with_context(|| format!("writing {}", args.output.display()))
+    })?;
     // The COW writer's temporary file was created 0600; give the COW the mode any new
     // file gets.
     crate::output::set_default_mode(&args.output)?;
@@ -324,15 +328,19 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         cow_ops: written.ops().len() as u64,
         merged_op_hashes: Some(crate::checks::op_hashes(&written, &new_read, new_path)?),
     };
-    crate::output::write_atomic(&manifest_path, m.to_json().as_bytes())?;
+    crate::output::part_of_output(&manifest_path, || {
+        crate::output::write_atomic(&manifest_path, m.to_json().as_bytes())
+    })?;
     let verity = if args.verity {
         let hashfile = args.verity_hash_out.clone().unwrap_or_else(|| {
             let mut p = args.output.clone().into_os_string();
             p.push(".verity");
             PathBuf::from(p)
         });
-        let f = super::verity::format_default(new_path, &hashfile, args.verity_salt.as_deref())
-            .with_context(|| format!("verity tree of {}", new_path.display()))?;
+        let f = crate::output::part_of_output(&hashfile, || {
+            super::verity::format_default(new_path, &hashfile, args.verity_salt.as_deref())
+                .with_context(|| format!("verity tree of {}", new_path.display()))
+        })?;
         Some(VerityReport {
             hashfile,
             uuid: verity::format_uuid(&f.uuid),
@@ -347,6 +355,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     } else {
         None
     };
+    // Complete: the outputs stay.
+    crate::output::keep_outputs();
     let c = plan.census;
     let report = Report {
         schema_version: crate::SCHEMA_VERSION,

@@ -20,6 +20,57 @@ pub struct CompletionArgs {
     shell: clap_complete::Shell,
 }
 
+/// A SYNOPSIS line: `spoken` and every option of `cmd` with its value name, optional
+/// ones in brackets, repeatable ones followed by `...`; the global options
+/// (`-q`, `--no-progress`, ...) only on vabc's own page.
+fn synopsis(cmd: &clap::Command, spoken: &str) -> String {
+    use clap::ArgAction;
+    let mut parts = vec![spoken.to_string()];
+    let top = !spoken.contains(' ');
+    for a in cmd.get_arguments() {
+        let id = a.get_id().as_str();
+        if a.is_hide_set() || id == "help" || id == "version" || (a.is_global_set() && !top) {
+            continue;
+        }
+        let value = a
+            .get_value_names()
+            .map(|v| {
+                v.iter()
+                    .map(|n| n.to_string())
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            })
+            .unwrap_or_else(|| id.to_uppercase());
+        let takes_value = !matches!(
+            a.get_action(),
+            ArgAction::SetTrue | ArgAction::SetFalse | ArgAction::Count | ArgAction::Help
+        );
+        let flag = match (a.get_short(), a.get_long()) {
+            (Some(s), Some(l)) => Some(format!("-{s}|--{l}")),
+            (Some(s), None) => Some(format!("-{s}")),
+            (None, Some(l)) => Some(format!("--{l}")),
+            (None, None) => None,
+        };
+        let mut one = match (flag, takes_value) {
+            (None, _) => format!("<{value}>"),
+            (Some(f), true) => format!("{f} <{value}>"),
+            (Some(f), false) => f,
+        };
+        if matches!(a.get_action(), ArgAction::Append | ArgAction::Count) {
+            one.push_str("...");
+        }
+        parts.push(if a.is_required_set() {
+            one
+        } else {
+            format!("[{one}]")
+        });
+    }
+    if cmd.has_subcommands() {
+        parts.push("<COMMAND>".into());
+    }
+    parts.join(" ")
+}
+
 /// Writes the page of `cmd` as NAME.1 into `dir`, then those of its subcommands.
 fn write_pages(
     cmd: &clap::Command,
@@ -28,8 +79,15 @@ fn write_pages(
     written: &mut Vec<PathBuf>,
 ) -> Result<()> {
     let cmd = cmd.clone().name(name.to_string());
+    let spoken = name.replace('-', " ");
+    // The command as it is typed (`vabc bundle create`), each option with its value
+    // (clap_mangen's own synopsis names the page and drops the value names).
+    let page_cmd = cmd
+        .clone()
+        .bin_name(spoken.clone())
+        .override_usage(synopsis(&cmd, &spoken));
     let mut page = Vec::new();
-    clap_mangen::Man::new(cmd.clone())
+    clap_mangen::Man::new(page_cmd)
         .render(&mut page)
         .with_context(|| format!("render the page of {name}"))?;
     let path = dir.join(format!("{name}.1"));
