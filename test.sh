@@ -2,9 +2,9 @@
 # The whole test suite: formatting, lints, unit, property, interop and
 # integration tests (some mount real filesystems: run as root on Linux), the
 # packages (.deb and static binary, installed in a fresh chroot), then the VM
-# tier: every frontend on a stock kernel with ublk, NBD and device-mapper, then
-# the device scenario (boots from base + COW, power cuts,
-# rollback) (tests/vm/, about 8 minutes under software emulation).
+# tier: every frontend on a stock kernel with ublk, NBD and device-mapper, the
+# packaged unit under systemd, then the device scenario (boots from base + COW,
+# power cuts, rollback) (tests/vm/, about 18 minutes under software emulation).
 # CI runs exactly this (.ci/run). VABC_SKIP_VM=1 leaves the VM tier out (it
 # then says so).
 set -euo pipefail
@@ -37,4 +37,6 @@ if [ "${VABC_SKIP_VM:-0}" = 1 ]; then
 fi
 # The binary `cargo test` just built (CARGO_TARGET_DIR respected).
 VABC=${CARGO_TARGET_DIR:-target}/debug/vabc tests/vm/conformance.sh
+# The packaged unit under a real systemd (the .deb and chroot made above).
+tests/vm/unit.sh
 VABC=${CARGO_TARGET_DIR:-target}/debug/vabc tests/vm/device.sh

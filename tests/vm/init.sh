@@ -42,11 +42,14 @@ rc=$?
 # A job that mounted a new root and wrote "NEWROOT INIT" to /out/switch-root gets it
 # as the root file system, as an initramfs hands over to the real system: /dev,
 # /proc, /sys, /run, /usr and /out move along, and INIT runs as PID 1 there (it
-# writes /out/rc and resets the machine itself).
+# writes /out/rc and resets the machine itself). "NEWROOT INIT own-usr" keeps the
+# new root's own /usr (a whole system, not the host's binaries).
 if [ "$rc" = 0 ] && [ -e /out/switch-root ]; then
-	read -r newroot newinit </out/switch-root
+	read -r newroot newinit usr </out/switch-root
 	$B rm -f /out/switch-root
-	for m in /dev /proc /sys /run /usr /out; do
+	moves="/dev /proc /sys /run /usr /out"
+	[ "$usr" = own-usr ] && moves="/dev /proc /sys /run /out"
+	for m in $moves; do
 		$B mount --move "$m" "$newroot$m" || echo "vm-init: cannot move $m" >&2
 	done
 	exec $B switch_root "$newroot" /usr/bin/bash "$newinit"

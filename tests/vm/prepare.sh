@@ -68,9 +68,11 @@ echo "$PKG" >"$CACHE/kernel.pkg.tmp" && mv "$CACHE/kernel.pkg.tmp" "$CACHE/kerne
 KVER=$(ls "$KROOT/lib/modules")
 
 # The initramfs: static busybox, the 9p modules, and init.sh. Rebuilt when init.sh
-# or this script changes.
+# or this script differ from those it was built from (by content: checkouts of other
+# revisions share the cache, and their files' times say nothing).
 INITRD=$CACHE/initramfs-$KVER.cpio.gz
-if [ ! -e "$INITRD" ] || [ "$HERE/init.sh" -nt "$INITRD" ] || [ "$0" -nt "$INITRD" ]; then
+STAMP=$(cat "$HERE/init.sh" "$0" | sha256sum | cut -d' ' -f1)
+if [ ! -e "$INITRD" ] || [ "$(cat "$INITRD.sha256" 2>/dev/null)" != "$STAMP" ]; then
 	say "building the initramfs"
 	T=$(mktemp -d)
 	trap 'rm -rf "$T"' EXIT
@@ -94,5 +96,6 @@ if [ ! -e "$INITRD" ] || [ "$HERE/init.sh" -nt "$INITRD" ] || [ "$0" -nt "$INITR
 		done
 	(cd "$T" && find . | cpio -o -H newc --quiet) | gzip -1 >"$INITRD.tmp"
 	mv "$INITRD.tmp" "$INITRD"
+	echo "$STAMP" >"$INITRD.sha256"
 fi
 echo "$CACHE"

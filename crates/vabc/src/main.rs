@@ -64,7 +64,7 @@ enum Command {
     Man(cmd::docs::ManArgs),
     /// Print the completion script for a shell (bash, zsh, fish, elvish, powershell).
     Completions(cmd::docs::CompletionArgs),
-    /// Remove what killed `vabc serve` daemons left behind (mounts, loop and ublk devices).
+    /// Remove what killed vabc processes left behind (mounts, loop and ublk devices, temporary files).
     Cleanup(cmd::cleanup::Args),
 }
 

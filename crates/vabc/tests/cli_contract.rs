@@ -503,35 +503,25 @@ fn errors_name_the_next_step() {
     let o = run_vabc(&["diff", s(&old), s(&new), "-o", s(&cow)]);
     assert!(o.status.success());
     let ready = d.join("run/vabc/ready.json");
-    says(
-        &[
-            "serve",
-            "--base",
-            s(&old),
-            "--cow",
-            s(&cow),
-            "--fuse",
-            s(&d.join("f")),
-            "--ready-file",
-            s(&ready),
-        ],
-        1,
-        &["does not exist; create it first", "RuntimeDirectory="],
+    let f = d.join("f");
+    let mnt = d.join("mnt");
+    let serve = |how: &[&str]| {
+        let mut a = vec!["serve", "--base", s(&old), "--cow", s(&cow)];
+        a.extend_from_slice(how);
+        code(&a)
+    };
+    let (c, e) = serve(&["--ready-file", s(&ready), "--fuse", s(&f)]);
+    assert_eq!(c, Some(1), "{e}");
+    assert!(
+        e.contains("does not exist; create it first") && e.contains("RuntimeDirectory="),
+        "{e}"
     );
     // --mount of an image that holds no file system it knows: serve it as a device.
-    let mnt = d.join("mnt");
     std::fs::create_dir(&mnt).unwrap();
-    says(
-        &[
-            "serve",
-            "--base",
-            s(&old),
-            "--cow",
-            s(&cow),
-            "--mount",
-            s(&mnt),
-        ],
-        1,
-        &["neither ext4 nor EROFS", "--fuse, --nbd or --ublk"],
+    let (c, e) = serve(&["--mount", s(&mnt)]);
+    assert_eq!(c, Some(1), "{e}");
+    assert!(
+        e.contains("neither ext4 nor EROFS") && e.contains("--fuse, --nbd or --ublk"),
+        "{e}"
     );
 }

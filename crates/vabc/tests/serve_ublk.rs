@@ -33,7 +33,9 @@ fn ublk_without_the_driver_fails_cleanly() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "succeeded; stderr: {stderr}");
         assert!(
-            stderr.contains("ublk: /dev/ublk-control not found: kernel module ublk_drv not loaded"),
+            stderr.contains("ublk: /dev/ublk-control not found: kernel module ublk_drv not loaded")
+                && stderr.contains("modprobe ublk_drv")
+                && stderr.contains("--nbd or --fuse"),
             "{stderr}"
         );
         assert!(

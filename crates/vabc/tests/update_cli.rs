@@ -153,6 +153,20 @@ impl Device {
         .to_vec()
     }
 
+    /// `install` of `bundle` is refused as made for another partition (exit 3), and
+    /// nothing is kept.
+    fn assert_not_this_partition(&self, bundle: &Path) {
+        let args = self.install_args(bundle);
+        let o = run_vabc(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        let e = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(3), "{e}");
+        assert!(
+            e.contains("not the partition the bundle was made for"),
+            "{e}"
+        );
+        assert_eq!(self.store_files(), ["state"]);
+    }
+
     fn install(&self) {
         let args = self.install_args(&self.bundle);
         ok(&args.iter().map(String::as_str).collect::<Vec<_>>());
@@ -867,15 +881,7 @@ fn a_base_of_another_size_is_not_the_partition() {
         .open(&d.base)
         .unwrap();
     f.set_len(f.metadata().unwrap().len() + 4096).unwrap();
-    let args = d.install_args(&d.bundle);
-    let o = run_vabc(&args.iter().map(String::as_str).collect::<Vec<_>>());
-    let e = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(3), "{e}");
-    assert!(
-        e.contains("not the partition the bundle was made for"),
-        "{e}"
-    );
-    assert_eq!(d.store_files(), ["state"]);
+    d.assert_not_this_partition(&d.bundle);
     // A bundle made from a shorter (or empty) OLD is refused where it is made.
     let empty = d.dir.path().join("empty.img");
     std::fs::write(&empty, b"").unwrap();
@@ -939,15 +945,8 @@ fn a_full_image_installs_over_any_base_of_its_partitions_size() {
     assert_eq!(p["plan"]["copy"], 0, "{info}");
     assert_eq!(p["plan"]["xor"], 0, "{info}");
     // Stated for a larger partition than this one: refused, nothing kept.
+    d.assert_not_this_partition(&full);
     let args = d.install_args(&full);
-    let o = run_vabc(&args.iter().map(String::as_str).collect::<Vec<_>>());
-    let e = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(3), "{e}");
-    assert!(
-        e.contains("not the partition the bundle was made for"),
-        "{e}"
-    );
-    assert_eq!(d.store_files(), ["state"]);
     // For this partition's size: installs, boots the new image, merges it in place.
     let o = make(&[]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -1054,4 +1053,25 @@ fn the_boot_hook_never_mounts_a_half_merged_base() {
     assert_eq!(o.status.code(), Some(4));
     assert!(o.stdout.is_empty());
     assert_eq!(sha256_file(&d.base), d.old_sha);
+}
+
+#[test]
+fn a_relative_base_is_stored_as_the_absolute_path_it_names() {
+    let d = Device::new();
+    // `-b system=base.img` from the folder that holds it; boot runs from anywhere.
+    let o = Command::new(vabc())
+        .current_dir(d.dir.path())
+        .args(["update", "install", "--store", s(&d.store), s(&d.bundle)])
+        .args(["-b", "system=base.img", "--key", s(&d.public)])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let state = json_text(&std::fs::read_to_string(d.store.join("state")).unwrap());
+    assert_eq!(
+        state["update"]["partitions"][0]["base"],
+        s(&std::fs::canonicalize(&d.base).unwrap()),
+        "{state}"
+    );
+    let b = d.boot();
+    assert_eq!(sha256_file(&device_of(&b)), d.new_sha);
 }

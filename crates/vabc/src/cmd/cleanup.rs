@@ -1,6 +1,7 @@
-//! `vabc cleanup`: remove what killed `vabc serve` daemons left behind (dead FUSE
-//! mounts, the file systems and loop devices stacked on them, ublk devices), as
-//! recorded by each daemon when it became ready. See `serve::leftovers`.
+//! `vabc cleanup`: remove what killed vabc processes left behind: a daemon's dead FUSE
+//! mounts, the file systems and loop devices stacked on them and its ublk devices,
+//! and a writing command's temporary files and folders, as each recorded them. See
+//! `serve::leftovers`.
 
 use std::process::ExitCode;
 
@@ -29,9 +30,9 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
     } else {
         for r in &removed {
             match &r.error {
-                None => println!("removed {} {} (vabc serve pid {})", r.kind, r.what, r.pid),
+                None => println!("removed {} {} (left by vabc pid {})", r.kind, r.what, r.pid),
                 Some(e) => eprintln!(
-                    "vabc cleanup: could not remove {} {} (vabc serve pid {}): {e}",
+                    "vabc cleanup: could not remove {} {} (left by vabc pid {}): {e}",
                     r.kind, r.what, r.pid
                 ),
             }
