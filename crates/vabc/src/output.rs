@@ -106,9 +106,14 @@ pub fn part_of_output<T>(dest: &Path, write: impl FnOnce() -> Result<T>) -> Resu
     write()
 }
 
-/// The command finished: the files written with [`part_of_output`] stay.
+/// The command finished: the files written with [`part_of_output`] stay, and a
+/// signal from now on no longer ends it (it is about to exit with 0).
 pub fn keep_outputs() {
+    // Under the signal thread's lock: a signal is handled wholly before this (and the
+    // outputs removed) or finds the command finished.
+    let _pending = lock();
     OUTPUTS.lock().unwrap_or_else(|p| p.into_inner()).clear();
+    FINISHED.store(true, std::sync::atomic::Ordering::SeqCst);
 }
 
 /// Outputs of an unfinished command ([`part_of_output`]): removed by a signal or an
@@ -186,11 +191,14 @@ fn done(path: &Path) {
 /// or without an error), this process's record of them, and the outputs of a command
 /// that did not finish ([`part_of_output`]).
 pub fn remove_pending() {
-    let mut pending = lock();
+    remove_locked(&mut lock());
+}
+
+fn remove_locked(pending: &mut Vec<PathBuf>) {
     for p in pending.drain(..) {
         let _ = serve::leftovers::remove_temp(&p);
     }
-    persist(&pending);
+    persist(pending);
     for o in OUTPUTS.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
         // A folder only if it is empty: what it holds is a resumable command's work.
         let _ = match o.is_dir() {
@@ -200,9 +208,15 @@ pub fn remove_pending() {
     }
 }
 
+/// Set by [`keep_outputs`]: the command's outputs are complete, and a signal from
+/// then on is left to the command's own imminent exit.
+static FINISHED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 /// On SIGINT, SIGTERM or SIGHUP: delete every pending temporary file and folder, say
 /// so (with `note`, e.g. how to resume), and exit with 128 + the signal's number, as a
-/// shell reports a process killed by it.
+/// shell reports a process killed by it. After [`keep_outputs`] the command has
+/// finished; it is not cut short then, so that an exit status from a signal always
+/// means nothing was written.
 pub fn on_signal_remove_temps(note: &'static str) -> Result<()> {
     use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
     let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP])
@@ -211,10 +225,14 @@ pub fn on_signal_remove_temps(note: &'static str) -> Result<()> {
         .name("vabc-signals".into())
         .spawn(move || {
             if let Some(sig) = signals.forever().next() {
-                remove_pending();
-                eprintln!("vabc: interrupted; {note}");
                 // Held until exit: no other thread registers a file from here on.
-                let _held = lock();
+                let mut pending = lock();
+                if FINISHED.load(std::sync::atomic::Ordering::SeqCst) {
+                    drop(pending);
+                    return;
+                }
+                remove_locked(&mut pending);
+                eprintln!("vabc: interrupted; {note}");
                 std::process::exit(128 + sig);
             }
         })

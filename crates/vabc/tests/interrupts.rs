@@ -48,6 +48,8 @@ struct Case {
     outputs: Vec<&'static str>,
     /// A folder the command writes into (checked as a whole), if any.
     out_dir: Option<PathBuf>,
+    /// What a finished run leaves in `out_dir`, by name (filled by the first run).
+    reference: std::collections::BTreeMap<String, Vec<u8>>,
 }
 
 fn run(case: &Case, dir: &Path, run_dir: &Path, signal: Option<(i32, Duration)>) -> Option<i32> {
@@ -81,26 +83,54 @@ fn check(
     let now = names(dir);
     let added: Vec<&String> = now.iter().filter(|n| !before.contains(n)).collect();
     let finished = code == Some(0);
-    let want: Vec<String> = if finished {
-        case.outputs.iter().map(|s| s.to_string()).collect()
-    } else {
-        Vec::new()
-    };
     let mut got: Vec<String> = added.iter().map(|s| s.to_string()).collect();
     got.sort();
-    assert_eq!(
-        got, want,
-        "{} {label} (exit {code:?}): the folder holds {now:?}",
-        case.what
-    );
-    if let Some(out) = &case.out_dir {
-        let inside = names(out);
-        assert!(
-            inside.iter().all(|n| !n.starts_with('.')),
-            "{} {label}: {inside:?} in {}",
-            case.what,
-            out.display()
-        );
+    match &case.out_dir {
+        // An install keeps each partition it finished (a resumed run passes over
+        // it): its folder holds complete files or nothing, never a temporary one.
+        Some(out) => {
+            let inside = names(out);
+            assert!(
+                inside.iter().all(|n| !n.starts_with('.')),
+                "{} {label}: {inside:?} in {}",
+                case.what,
+                out.display()
+            );
+            if finished || !inside.is_empty() {
+                assert_eq!(
+                    got, case.outputs,
+                    "{} {label}: the folder holds {now:?}",
+                    case.what
+                );
+                for n in &inside {
+                    assert_eq!(
+                        std::fs::read(out.join(n)).ok(),
+                        case.reference.get(n).cloned(),
+                        "{} {label}: {n} is not the finished run's",
+                        case.what
+                    );
+                }
+            } else {
+                assert!(
+                    got.is_empty(),
+                    "{} {label}: the folder holds {now:?}",
+                    case.what
+                );
+            }
+        }
+        // Any other command finished whole, or left nothing.
+        None => {
+            let want: Vec<String> = if finished {
+                case.outputs.iter().map(|s| s.to_string()).collect()
+            } else {
+                Vec::new()
+            };
+            assert_eq!(
+                got, want,
+                "{} {label} (exit {code:?}): the folder holds {now:?}",
+                case.what
+            );
+        }
     }
     assert!(
         names(run_dir).is_empty(),
@@ -158,7 +188,7 @@ fn sigint_and_sigterm_at_random_moments_leave_nothing_behind() {
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let out_dir = dir.join("ota");
-    let cases = [
+    let mut cases = [
         Case {
             what: "diff",
             args: vec![
@@ -171,6 +201,7 @@ fn sigint_and_sigterm_at_random_moments_leave_nothing_behind() {
             ],
             outputs: vec!["d.cow", "d.cow.manifest"],
             out_dir: None,
+            reference: Default::default(),
         },
         Case {
             what: "bundle create",
@@ -185,6 +216,7 @@ fn sigint_and_sigterm_at_random_moments_leave_nothing_behind() {
             ],
             outputs: vec!["c.vabc"],
             out_dir: None,
+            reference: Default::default(),
         },
         Case {
             what: "bundle install",
@@ -200,17 +232,25 @@ fn sigint_and_sigterm_at_random_moments_leave_nothing_behind() {
             ],
             outputs: vec!["ota"],
             out_dir: Some(out_dir.clone()),
+            reference: Default::default(),
         },
     ];
     let before = names(dir);
     let mut rng = fastrand::Rng::with_seed(42);
     let mut interrupted = 0;
-    for case in &cases {
+    for case in &mut cases {
         // How long a whole run takes: the signals land anywhere in it.
         let t = Instant::now();
         let code = run(case, dir, &run_dir, None);
         assert_eq!(code, Some(0), "{}", case.what);
         let span = t.elapsed().as_millis() as u64;
+        if let Some(out) = &case.out_dir {
+            for n in names(out) {
+                let bytes = std::fs::read(out.join(&n)).unwrap();
+                case.reference.insert(n, bytes);
+            }
+        }
+        let case = &*case;
         check(case, dir, &run_dir, &before, code, "uninterrupted");
         reset(case, dir, &before);
         let mut landed = 0;
@@ -259,6 +299,7 @@ fn what_a_sigkill_left_is_removed_by_cleanup() {
         ],
         outputs: vec!["c.vabc"],
         out_dir: None,
+        reference: Default::default(),
     };
     let before = names(dir);
     let mut child = Command::new(vabc())

@@ -165,6 +165,12 @@ fn a_wrong_base_is_refused_by_apply_merge_serve_and_check() {
         "{e}"
     );
     assert_eq!(sha256_file(&base), before, "merge wrote to a wrong base");
+    // A stop, not a hint: the flag that skips the check is named only with what
+    // skipping it does.
+    assert!(
+        !e.contains("--no-base-check") || e.contains("makes one that is neither"),
+        "{e}"
+    );
     let e = serve_refuses(d.path(), &base, &cow);
     assert!(
         e.contains("is not the image this update was made for"),

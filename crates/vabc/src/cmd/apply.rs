@@ -140,7 +140,8 @@ pub fn run(a: Args) -> Result<ExitCode> {
                 );
             }
         }
-        crate::output::commit(tmp, &a.output)?;
+        crate::output::part_of_output(&a.output, || crate::output::commit(tmp, &a.output))?;
+        crate::output::keep_outputs();
     }
     bar.finish();
     if a.json {

@@ -437,8 +437,12 @@ fn create(a: CreateArgs) -> Result<ExitCode> {
         writer.add_partition(part)?;
     }
     let created_by = format!("vabc {}", env!("CARGO_PKG_VERSION"));
-    let manifest = writer.finish(key.as_ref(), &created_by)?;
-    crate::output::set_default_mode(&a.output)?;
+    let manifest = crate::output::part_of_output(&a.output, || {
+        let m = writer.finish(key.as_ref(), &created_by)?;
+        crate::output::set_default_mode(&a.output)?;
+        Ok(m)
+    })?;
+    crate::output::keep_outputs();
     let size = std::fs::metadata(&a.output)
         .with_context(|| format!("stat {}", a.output.display()))?
         .len();
@@ -1643,7 +1647,7 @@ fn apply(a: InstallArgs) -> Result<ExitCode> {
                 d.name
             );
         }
-        crate::output::commit(tmp, &out)?;
+        crate::output::part_of_output(&out, || crate::output::commit(tmp, &out))?;
         let mut o = serde_json::json!({
             "name": d.name,
             "image": out,
@@ -1659,6 +1663,7 @@ fn apply(a: InstallArgs) -> Result<ExitCode> {
         }
         outputs.push(o);
     }
+    crate::output::keep_outputs();
     if a.json {
         let out = serde_json::json!({
             "schema_version": crate::SCHEMA_VERSION,
