@@ -25,6 +25,12 @@ scripts/install-deps.sh
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo test --workspace --locked
+# The README's first command, with the binary just tested (its release build is the
+# one step left out; the static build below covers a second build profile).
+DEMO_DIR=$(mktemp -d "${TMPDIR:-/tmp}/vabc-demo.XXXXXX")
+VABC=${CARGO_TARGET_DIR:-target}/debug/vabc DEMO_DIR=$DEMO_DIR ./demo.sh >"$DEMO_DIR.log" 2>&1 ||
+	{ tail -30 "$DEMO_DIR.log"; echo "test.sh: ./demo.sh failed (log: $DEMO_DIR.log)"; exit 1; }
+rm -rf "$DEMO_DIR" "$DEMO_DIR.log"
 # The packages as shipped: the .deb of the binary the tests just ran (stripped, with
 # its unit and initramfs step) and the static build, installed and run in a fresh
 # Debian chroot (systemd-analyze verify on every unit).
