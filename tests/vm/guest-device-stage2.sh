@@ -46,13 +46,17 @@ print(d["state"], "%s/%s" % (m.get("merged", 0), m.get("total", "?")))')
 	done
 }
 
-# The system keeps reading its root whole while the merge overwrites the base.
+# The system keeps reading its root whole while the merge overwrites the base; the
+# read is reported as soon as it ends, with the state then (it counts as a read
+# during the merge only if the merge was still running).
 merge_and_read() {
-	devsha "$ROOTDEV" >/tmp/during &
+	(
+		sha=$(devsha "$ROOTDEV")
+		say "read during the merge: root-sha256 $sha (state $(state) when it ended)"
+	) &
 	local reader=$! r=0
 	wait_merged || r=1
 	wait $reader
-	say "read during the merge: root-sha256 $(cat /tmp/during)"
 	return $r
 }
 

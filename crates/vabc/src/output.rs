@@ -231,9 +231,16 @@ pub fn on_signal_remove_temps(note: &'static str) -> Result<()> {
                     drop(pending);
                     return;
                 }
-                remove_locked(&mut pending);
                 eprintln!("vabc: interrupted; {note}");
-                std::process::exit(128 + sig);
+                // The record first, the files last and the exit at once: the command's
+                // threads run on meanwhile, and one may create a file it registered
+                // before it made it (an install's `.NAME.cow.installing`) between the
+                // removal and the end. That window is a few unlink calls wide.
+                *RECORD.lock().unwrap_or_else(|p| p.into_inner()) = None;
+                remove_locked(&mut pending);
+                // SAFETY: _exit ends the process at once; stderr is unbuffered and
+                // nothing else is left to flush.
+                unsafe { libc::_exit(128 + sig) };
             }
         })
         .context("start the signal thread")?;

@@ -29,6 +29,15 @@ fn images(dir: &Path) -> (PathBuf, PathBuf) {
     (o, n)
 }
 
+/// A folder with the images and an empty run folder for the commands' records.
+fn setup() -> (tempfile::TempDir, PathBuf, PathBuf, PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let (old, new) = images(tmp.path());
+    let run_dir = tmp.path().join("run");
+    std::fs::create_dir(&run_dir).unwrap();
+    (tmp, old, new, run_dir)
+}
+
 fn names(dir: &Path) -> Vec<String> {
     let mut v: Vec<String> = std::fs::read_dir(dir)
         .map(|d| {
@@ -158,11 +167,8 @@ fn reset(case: &Case, dir: &Path, before: &[String]) {
 
 #[test]
 fn sigint_and_sigterm_at_random_moments_leave_nothing_behind() {
-    let tmp = tempfile::tempdir().unwrap();
+    let (tmp, old, new, run_dir) = setup();
     let dir = tmp.path();
-    let (old, new) = images(dir);
-    let run_dir = dir.join("run");
-    std::fs::create_dir(&run_dir).unwrap();
     // A signed bundle to install (made once, by the command under test).
     let key = dir.join("key.pem");
     let st = Command::new("openssl")
@@ -279,11 +285,8 @@ fn sigint_and_sigterm_at_random_moments_leave_nothing_behind() {
 
 #[test]
 fn what_a_sigkill_left_is_removed_by_cleanup() {
-    let tmp = tempfile::tempdir().unwrap();
+    let (tmp, old, new, run_dir) = setup();
     let dir = tmp.path();
-    let (old, new) = images(dir);
-    let run_dir = dir.join("run");
-    std::fs::create_dir(&run_dir).unwrap();
     let s = |p: &Path| p.to_str().unwrap().to_string();
     let parts = format!("system={},{}", s(&old), s(&new));
     let case = Case {

@@ -232,6 +232,18 @@ impl Device {
         ])
     }
 
+    /// `mark-good`, then the daemon's merge to its end: the base is the new image.
+    fn mark_good_and_wait_merged(&self) {
+        let o = self.mark_good();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let t = Instant::now();
+        while self.state()["state"] != "merged" {
+            assert!(t.elapsed() < Duration::from_secs(120), "{}", self.state());
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        assert_eq!(sha256_file(&self.base), self.new_sha, "merged in place");
+    }
+
     /// The power goes: the daemon is stopped (SIGTERM takes its loop device and FUSE
     /// mount down, which a real power cut does by itself).
     fn power_off(&self) {
@@ -352,14 +364,7 @@ fn an_update_boots_from_its_cow_merges_once_marked_good_and_leaves_a_clean_store
     );
 
     // Rollback is allowed now; mark-good instead, and the daemon merges while serving.
-    let o = d.mark_good();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let t = Instant::now();
-    while d.state()["state"] != "merged" {
-        assert!(t.elapsed() < Duration::from_secs(120), "{}", d.state());
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    assert_eq!(sha256_file(&d.base), d.new_sha, "merged in place");
+    d.mark_good_and_wait_merged();
     assert_eq!(
         sha256_file(&dev),
         d.new_sha,
@@ -954,14 +959,7 @@ fn a_full_image_installs_over_any_base_of_its_partitions_size() {
     let b = d.boot();
     assert_eq!(b["partitions"][0]["served"], true, "{b}");
     assert_eq!(sha256_file(&device_of(&b)), d.new_sha);
-    let o = d.mark_good();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let t = Instant::now();
-    while d.state()["state"] != "merged" {
-        assert!(t.elapsed() < Duration::from_secs(120), "{}", d.state());
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    assert_eq!(sha256_file(&d.base), d.new_sha, "merged in place");
+    d.mark_good_and_wait_merged();
 }
 
 #[test]
