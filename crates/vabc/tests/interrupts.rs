@@ -61,15 +61,41 @@ struct Case {
     reference: std::collections::BTreeMap<String, Vec<u8>>,
 }
 
-fn run(case: &Case, dir: &Path, run_dir: &Path, signal: Option<(i32, Duration)>) -> Option<i32> {
-    let mut child = Command::new(vabc())
+/// `bundle create` of the partition `parts` (`system=OLD,NEW`) into `c.vabc`.
+fn bundle_create(parts: String) -> Case {
+    Case {
+        what: "bundle create",
+        args: [
+            "bundle",
+            "create",
+            "-p",
+            &parts,
+            "-o",
+            "c.vabc",
+            "--unsigned",
+        ]
+        .map(String::from)
+        .to_vec(),
+        outputs: vec!["c.vabc"],
+        out_dir: None,
+        reference: Default::default(),
+    }
+}
+
+/// The case's command, started in `dir` with its records in `run_dir`.
+fn spawn(case: &Case, dir: &Path, run_dir: &Path) -> std::process::Child {
+    Command::new(vabc())
         .args(&case.args)
         .current_dir(dir)
         .env("VABC_RUN_DIR", run_dir)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
-        .unwrap();
+        .unwrap()
+}
+
+fn run(case: &Case, dir: &Path, run_dir: &Path, signal: Option<(i32, Duration)>) -> Option<i32> {
+    let mut child = spawn(case, dir, run_dir);
     if let Some((sig, after)) = signal {
         std::thread::sleep(after);
         // SAFETY: kill(2) with the child's pid, which has not been reaped yet.
@@ -209,21 +235,7 @@ fn sigint_and_sigterm_at_random_moments_leave_nothing_behind() {
             out_dir: None,
             reference: Default::default(),
         },
-        Case {
-            what: "bundle create",
-            args: vec![
-                "bundle".into(),
-                "create".into(),
-                "-p".into(),
-                parts.clone(),
-                "-o".into(),
-                "c.vabc".into(),
-                "--unsigned".into(),
-            ],
-            outputs: vec!["c.vabc"],
-            out_dir: None,
-            reference: Default::default(),
-        },
+        bundle_create(parts.clone()),
         Case {
             what: "bundle install",
             args: vec![
@@ -289,29 +301,9 @@ fn what_a_sigkill_left_is_removed_by_cleanup() {
     let dir = tmp.path();
     let s = |p: &Path| p.to_str().unwrap().to_string();
     let parts = format!("system={},{}", s(&old), s(&new));
-    let case = Case {
-        what: "bundle create",
-        args: vec![
-            "bundle".into(),
-            "create".into(),
-            "-p".into(),
-            parts,
-            "-o".into(),
-            "c.vabc".into(),
-            "--unsigned".into(),
-        ],
-        outputs: vec!["c.vabc"],
-        out_dir: None,
-        reference: Default::default(),
-    };
+    let case = bundle_create(parts);
     let before = names(dir);
-    let mut child = Command::new(vabc())
-        .args(&case.args)
-        .current_dir(dir)
-        .env("VABC_RUN_DIR", &run_dir)
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child = spawn(&case, dir, &run_dir);
     let t = Instant::now();
     // Killed once its work folder is there and recorded (the record is written just
     // after the folder is made: a kill between the two is the one moment left).
