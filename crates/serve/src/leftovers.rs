@@ -125,7 +125,10 @@ impl Record {
     /// Writes the record as `KIND-PID.json` in `dir`: `serve` for a daemon's set-up,
     /// `temps` for a command's temporary files (rewritten as they come and go).
     pub fn write_as(&self, dir: &Path, kind: &str) -> Result<RecordFile, ServeError> {
-        std::fs::create_dir_all(dir).map_err(io_err("create", dir))?;
+        // Writable by its owner only, whatever the umask: `cleanup` believes no other.
+        std::os::unix::fs::DirBuilderExt::mode(std::fs::DirBuilder::new().recursive(true), 0o755)
+            .create(dir)
+            .map_err(io_err("create", dir))?;
         let path = dir.join(format!("{kind}-{}.json", self.pid));
         let tmp = dir.join(format!(".{kind}-{}.json.tmp", self.pid));
         let text = serde_json::to_string_pretty(self).map_err(|e| ServeError::Invalid {
@@ -178,6 +181,25 @@ pub fn cleanup(dir: &Path) -> Result<Vec<Removed>, ServeError> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(e) => return Err(io_err("read", dir)(e)),
     };
+    // Records say what to unmount and delete: only a folder no one else can write
+    // is believed (a shared /tmp/vabc-UID could be made by another user first).
+    {
+        use std::os::unix::fs::MetadataExt;
+        let md = std::fs::symlink_metadata(dir).map_err(io_err("stat", dir))?;
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        let me = unsafe { libc::geteuid() };
+        if !md.is_dir() || md.uid() != me || md.mode() & 0o022 != 0 {
+            return Err(ServeError::Invalid {
+                path: dir.to_path_buf(),
+                msg: format!(
+                    "not a folder of uid {me} that only it can write (owner {}, mode {:o}): \
+                     its records are not trusted; nothing was removed",
+                    md.uid(),
+                    md.mode() & 0o7777
+                ),
+            });
+        }
+    }
     let mut paths: Vec<PathBuf> = entries
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| {
@@ -328,6 +350,25 @@ mod tests {
         );
         drop(live);
         assert!(!dir.path().join(format!("serve-{}.json", me.pid)).exists());
+    }
+
+    #[test]
+    fn records_in_a_folder_others_can_write_are_not_believed() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let victim = dir.path().join(".precious.tmp");
+        std::fs::write(&victim, b"keep").unwrap();
+        let rec = Record {
+            pid: u32::MAX - 3,
+            start_time: 1,
+            temps: vec![victim.clone()],
+            ..Record::default()
+        };
+        let _f = rec.write_as(dir.path(), "temps").unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+        let e = cleanup(dir.path()).unwrap_err().to_string();
+        assert!(e.contains("not trusted"), "{e}");
+        assert!(victim.exists());
     }
 
     #[test]
