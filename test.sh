@@ -32,6 +32,9 @@ DEMO_DIR=$(mktemp -d "${TMPDIR:-/tmp}/vabc-demo.XXXXXX")
 VABC=${CARGO_TARGET_DIR:-target}/debug/vabc DEMO_DIR=$DEMO_DIR ./demo.sh >"$DEMO_DIR.log" 2>&1 ||
 	{ tail -30 "$DEMO_DIR.log"; echo "test.sh: ./demo.sh failed (log: $DEMO_DIR.log)"; exit 1; }
 rm -rf "$DEMO_DIR" "$DEMO_DIR.log"
+# The library as an OTA client embeds it: the example agent downloads a bundle over
+# HTTP and installs it into an update store, reporting progress through a callback.
+scripts/test-embedding.sh "${CARGO_TARGET_DIR:-target}/debug/vabc"
 # The packages as shipped: the .deb of the binary the tests just ran (stripped, with
 # its unit and initramfs step) and the static build, installed and run in a fresh
 # Debian chroot (systemd-analyze verify on every unit).

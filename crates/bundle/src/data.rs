@@ -84,7 +84,7 @@ impl FrameParams {
     /// prefix, so each position's search is short (`small` pair at level 19: 11.7 MB/s
     /// searched in frames of 64 blocks, 4.7 MB/s in one frame of 1024), and the frames
     /// share the CPUs; creation time then stays within `xdelta3 -9`'s on every corpus
-    /// pair (`bench/RESULTS.md`, "The update bundle"). But an update whose data fits
+    /// pair (`bench/results/bundle.md`). But an update whose data fits
     /// one frame of [`MAX_FRAME_BLOCKS`] is probed first, at zstd level 12 as one frame
     /// and as frames of 64 (reading its data once more, at most 4 MiB): if one frame
     /// takes at most 3/4 of the bytes, its blocks draw on each other's

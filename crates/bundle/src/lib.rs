@@ -10,7 +10,7 @@
 //! ([`delta::write::write_cow`]) and gets, byte for byte, the COW the host would have
 //! written, which the signed manifest names by its sha256.
 //!
-//! Layout (little-endian; `docs/08-bundle.md` has the field-by-field description):
+//! Layout (little-endian; `docs/04-bundle.md` has the field-by-field description):
 //!
 //! ```text
 //! header (32 bytes)  magic "VABCBNDL", format version, manifest and signature lengths

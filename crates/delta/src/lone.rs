@@ -16,7 +16,7 @@
 //! only the XORs whose sources make short runs that nothing else reads
 //! removes most of those requests for a fraction of that size.
 //!
-//! Measured on that pair (`bench/RESULTS.md`, eighteenth session), with
+//! Measured on that pair (`bench/results/serve.md`), with
 //! `min_run` 64: 4 553 of 60 888 XORs become REPLACE in the lz4 COW
 //! (+6.4%; 3 396 in the zstd:19 COW, +3.9%, which takes it from 1.287 to
 //! 1.337 times xdelta3 -9's patch, over the create target of 1.3: hence

@@ -1,8 +1,8 @@
 //! Positional reads of a backing image, optionally with `O_DIRECT`.
 //!
 //! With FUSE `direct_io` and a loop device in direct-I/O mode above us, the daemon's own
-//! page cache of the base image is the last duplicate copy of the data (notes/serving.md
-//! §5.5). Opening the base `O_DIRECT` removes it. `O_DIRECT` needs aligned offsets,
+//! page cache of the base image is the last duplicate copy of the data
+//! (docs/05-serving.md). Opening the base `O_DIRECT` removes it. `O_DIRECT` needs aligned offsets,
 //! lengths and memory, so a second, buffered descriptor serves the rare unaligned reads
 //! (XOR sources at a byte offset, partial head/tail blocks).
 
@@ -244,8 +244,8 @@ pub struct AlignedBuf {
 /// (the Firecracker VM these numbers come from) takes one ring descriptor per
 /// physically contiguous piece of its buffer. Read into scattered 4 KiB pages, a 100 KiB
 /// base read takes ~26 of the ring's 256, so about ten requests fit in flight and the
-/// rest queue in the guest; from a huge page it takes three. Measured (bench/RESULTS.md,
-/// sixteenth session): sequential serving +25% (readahead chunks), `vabc merge` 9%
+/// rest queue in the guest; from a huge page it takes three. Measured (bench/results/serve.md):
+/// sequential serving +25% (readahead chunks), `vabc merge` 9%
 /// faster (its arena). Smaller buffers stay on the heap: rounding 1 MiB FUSE reply
 /// buffers and ring payloads up to 2 MiB would double their memory (64 MiB of ring
 /// payloads) for 6% at sequential QD8.

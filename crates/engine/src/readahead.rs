@@ -176,7 +176,7 @@ impl<D: BlockDevice + 'static> Readahead<D> {
         // A checked chunk is ready only once hashed, so part of the lead is chunks
         // waiting for a checker: twice the depth keeps as many ready ahead. Cold verified
         // 1 GiB reads through FUSE: 0.58-0.64 s against 0.61-0.71 s, faster in five of
-        // five alternating bench/verity.sh runs (bench/RESULTS.md, twentieth session).
+        // five alternating bench/verity.sh runs (bench/results/verity.md).
         let separate = inner.separate_check();
         let depth = match separate {
             true => opts.depth.saturating_mul(2),

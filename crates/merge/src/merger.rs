@@ -568,7 +568,7 @@ impl<'a> Merge<'a> {
             // them, sync and commit k. Done in turn, that CPU work left the
             // disk idle: on the `system` pair ~0.4 s of a 1.8 s merge ran
             // outside any I/O wait, and 2 ms of extra CPU per window made
-            // the merge 0.6 s longer (bench/RESULTS.md, eleventh session).
+            // the merge 0.6 s longer (bench/results/merge.md).
             let mut ready: Option<Ready> = None;
             let mut slot = 0;
             while (pos as usize) < self.ordered && !out_of_budget(commits) {

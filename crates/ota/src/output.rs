@@ -6,8 +6,9 @@
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use anyhow::{Context, Result};
 use tempfile::NamedTempFile;
+
+use crate::error::{Context, Error, Result};
 
 /// A temporary file in `dest`'s directory (same file system, so the final rename is
 /// atomic), named `.NAME.XXXXXX.tmp` after `dest`.
@@ -49,7 +50,7 @@ pub fn temp_dir_beside(dest: &Path, what: &str) -> Result<tempfile::TempDir> {
 /// long run does not end in a failed rename.
 pub fn check_dest(dest: &Path, option: &str) -> Result<()> {
     if dest.is_dir() {
-        anyhow::bail!(
+        crate::error::invalid!(
             "{option} {}: is a folder; name the file to write (e.g. {})",
             dest.display(),
             dest.join("update.vabc").display()
@@ -57,7 +58,7 @@ pub fn check_dest(dest: &Path, option: &str) -> Result<()> {
     }
     let dir = parent_of(dest);
     if !dir.is_dir() {
-        anyhow::bail!(
+        crate::error::invalid!(
             "{option} {}: the folder {} does not exist; create it first",
             dest.display(),
             dir.display()
@@ -91,7 +92,10 @@ pub fn temp_in(dir: &Path, name: &str) -> std::io::Result<NamedTempFile> {
 /// output (a COW, its manifest and tree): from the moment it is in place until
 /// [`keep_outputs`], an interrupt or an error removes it, so that a command that
 /// did not finish leaves none of them.
-pub fn part_of_output<T>(dest: &Path, write: impl FnOnce() -> Result<T>) -> Result<T> {
+pub fn part_of_output<T, E>(
+    dest: &Path,
+    write: impl FnOnce() -> std::result::Result<T, E>,
+) -> std::result::Result<T, E> {
     // Registered before it is written (renamed into place), so that no moment is left
     // where it is there and unregistered; an interrupt before the rename removes the
     // file it was about to replace, which the command was replacing anyway. Never a
@@ -255,13 +259,16 @@ pub fn commit(tmp: NamedTempFile, dest: &Path) -> Result<()> {
     // Temporary files are created 0600; the output gets the mode any new file would.
     set_default_mode(tmp.path())?;
     let path = tmp.path().to_path_buf();
-    let r = tmp.persist(dest).map_err(|e| e.error).with_context(|| {
-        format!(
-            "rename the temporary file {} to {}",
-            path.display(),
-            dest.display()
-        )
-    });
+    let r = tmp
+        .persist(dest)
+        .map_err(|e| Error::from(e.error))
+        .with_context(|| {
+            format!(
+                "rename the temporary file {} to {}",
+                path.display(),
+                dest.display()
+            )
+        });
     done(&path);
     r.map(|_| ())
 }

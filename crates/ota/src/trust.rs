@@ -13,63 +13,23 @@
 //!   is caught before anything is written.
 
 use std::fs::File;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use anyhow::{Context, Result, bail};
+use crate::error::{Context, Result, invalid, mismatch};
 use cow::{CowReader, SnapshotView};
 use manifest::{ImageId, Manifest};
 use merge::Progress;
 
-/// A check that found data other than it must be (wrong base, a result that is not
-/// the new image, a failed verification): exit status [`EXIT_MISMATCH`], not the 1 of
-/// an error that kept the command from deciding.
-#[derive(Debug)]
-pub struct Mismatch(pub String);
-
-impl std::fmt::Display for Mismatch {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for Mismatch {}
-
-/// Exit status of a [`Mismatch`] (docs/cli.md).
-pub const EXIT_MISMATCH: u8 = 3;
-
-/// `bail!` for a [`Mismatch`].
-macro_rules! mismatch {
-    ($($arg:tt)*) => {
-        return Err(anyhow::Error::new($crate::checks::Mismatch(format!($($arg)*))))
-    };
-}
-pub(crate) use mismatch;
-
-/// Flags shared by the commands that read a base through a COW.
-#[derive(clap::Args, Debug, Clone)]
-pub struct CheckArgs {
-    /// The update's manifest: which base it needs and which image it makes (default:
-    /// COW.manifest, written by `vabc diff`).
-    #[arg(long, value_name = "FILE")]
-    pub manifest: Option<PathBuf>,
-    /// Skip the check that the base is the image the update was made for (and, for
-    /// merge and apply, that the result will be the new image).
-    #[arg(long)]
-    pub no_base_check: bool,
-}
-
-/// The manifest that applies to `cow`, if there is one. An explicit `--manifest` must
-/// exist; the default one may be missing (a COW made by another tool has none).
+/// The manifest that applies to `cow`, if there is one: `explicit`, which must exist,
+/// or the default one beside the COW (`COW.manifest`), which may be missing (a COW
+/// made by another tool has none).
 pub fn load_manifest(
-    args: &CheckArgs,
+    explicit: Option<&Path>,
     cow_path: &Path,
     cow: &CowReader,
 ) -> Result<Option<Manifest>> {
-    if args.no_base_check {
-        return Ok(None);
-    }
-    let path = match &args.manifest {
-        Some(p) => p.clone(),
+    let path = match explicit {
+        Some(p) => p.to_path_buf(),
         None => {
             let p = Manifest::path_for(cow_path);
             if !p.exists() {
@@ -87,7 +47,7 @@ pub fn load_manifest(
     let m = Manifest::load(&path)?;
     let ops = cow.ops().len() as u64;
     if m.cow_ops != ops {
-        bail!(
+        invalid!(
             "{}: made for a COW of {} ops, but {} has {ops}: not this update's manifest",
             path.display(),
             m.cow_ops,
@@ -164,7 +124,7 @@ pub fn check_base(
 /// large, and reading the view up to it would take hours, not a clear error.
 pub fn bound_without_size(view: &SnapshotView, cow_path: &Path) -> Result<()> {
     if view.size() > view.base_size() {
-        bail!(
+        invalid!(
             "{}: its ops reach byte {}, past the end of the base ({} bytes), and no manifest \
              gives the new image's size; give --size if the new image is that large",
             cow_path.display(),
@@ -326,7 +286,7 @@ pub fn prove_result(
                 );
             }
             if size != m.new.size {
-                bail!(
+                invalid!(
                     "{}: the update makes an image of {} bytes, but {size} were asked for",
                     cow_path.display(),
                     m.new.size

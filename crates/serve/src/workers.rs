@@ -1,7 +1,7 @@
 //! A pool of request threads fed from one bounded channel.
 //!
 //! Transport threads only parse a request and hand it over, then go back to the kernel
-//! or socket for the next one, so many requests are in flight at once (notes/serving.md:
+//! or socket for the next one, so many requests are in flight at once (docs/05-serving.md:
 //! the synchronous one-pread-per-reader design plateaued at 5–10 k IOPS). Work here is
 //! mostly blocking I/O of uneven duration, so a shared queue (any idle thread takes the
 //! next request) beats per-thread queues; CPU-bound decompression has its own per-CPU

@@ -57,7 +57,7 @@ pub const HEAD_FILE: &str = "update.head";
 /// The version of the last update merged on this device (decimal), a floor for the
 /// next install's version. It lives on the data partition, so whoever can write that
 /// partition can lower it: a device that needs a floor no such writer can move keeps
-/// one in its verified root image as well (docs/06-trust.md).
+/// one in its verified root image as well (docs/09-trust.md).
 pub const VERSION_FILE: &str = "version";
 
 /// Errors of the update state, each naming the store and what was being done.

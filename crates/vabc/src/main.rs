@@ -9,8 +9,8 @@ pub(crate) const SCHEMA_VERSION: u32 = 1;
 mod args;
 mod checks;
 mod cmd;
-mod output;
 mod progress;
+mod report;
 
 #[derive(Parser)]
 #[command(
@@ -96,9 +96,9 @@ fn main() -> std::process::ExitCode {
         _ => Some("no output was written"),
     };
     if let Some(note) = note
-        && let Err(e) = output::on_signal_remove_temps(note)
+        && let Err(e) = ota::output::on_signal_remove_temps(note)
     {
-        eprintln!("vabc: error: {}", error_chain(&e));
+        eprintln!("vabc: error: {}", ota::error::chain(&e));
         return std::process::ExitCode::FAILURE;
     }
     let result = match cli.command {
@@ -119,7 +119,7 @@ fn main() -> std::process::ExitCode {
     };
     // Whatever temporary file an error left registered (most are gone already) and
     // the record `vabc cleanup` would have read.
-    output::remove_pending();
+    ota::output::remove_pending();
     match result {
         Ok(code) => code,
         Err(e) => {
@@ -128,7 +128,10 @@ fn main() -> std::process::ExitCode {
                 || e.chain().any(|c| c.is::<cmd::update::HalfMerged>())
             {
                 std::process::ExitCode::from(cmd::update::EXIT_HALF_MERGED)
-            } else if e.chain().any(|c| c.is::<checks::Mismatch>()) {
+            } else if e.chain().any(|c| {
+                c.downcast_ref::<ota::Error>()
+                    .is_some_and(ota::Error::is_mismatch)
+            }) {
                 std::process::ExitCode::from(checks::EXIT_MISMATCH)
             } else {
                 std::process::ExitCode::FAILURE

@@ -150,3 +150,41 @@ impl Lines {
         );
     }
 }
+
+/// Progress of planning, writing and proving, shown as [`init`] decided (a bar, lines
+/// or nothing); the library reports to it.
+pub(crate) struct Bar {
+    bar: std::sync::Mutex<Option<Progress>>,
+}
+
+impl Bar {
+    pub(crate) fn new() -> Bar {
+        Bar {
+            bar: std::sync::Mutex::new(None),
+        }
+    }
+}
+
+impl ota::Observer for Bar {
+    fn event(&self, e: ota::Event<'_>) {
+        let Ok(mut b) = self.bar.lock() else {
+            return;
+        };
+        match e {
+            ota::Event::Start { phase, total } => {
+                *b = Some(Progress::new(total, phase, Unit::Items("blocks")));
+            }
+            ota::Event::Advance(n) => {
+                if let Some(pb) = b.as_ref() {
+                    pb.inc(n);
+                }
+            }
+            ota::Event::Finish => {
+                if let Some(pb) = b.take() {
+                    pb.finish();
+                }
+            }
+            _ => {}
+        }
+    }
+}

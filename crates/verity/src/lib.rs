@@ -9,7 +9,8 @@
 //! - [`Superblock`] is veritysetup's optional 512-byte header;
 //! - [`avb`] writes and reads AVB footers, vbmeta blobs and hashtree descriptors.
 //!
-//! Layout rules and sources are in `shared/notes/images.md` Part 1.
+//! Layout rules and their sources (veritysetup, the kernel's dm-verity, avbtool) are in
+//! docs/06-verifying.md.
 
 pub mod avb;
 mod build;

@@ -13,7 +13,7 @@
 //!   ready), read by one thread.
 //!
 //! Both: files are opened with `FOPEN_DIRECT_IO` (the FUSE layer keeps no page cache of
-//! its own; the loop device or file system above us caches, notes/serving.md §5.5);
+//! its own; the loop device or file system above us caches: docs/05-serving.md);
 //! sequential streams are read ahead in the engine ([`engine::Readahead`]), so a reader
 //! at queue depth 1 overlaps its requests with the engine's work; `max_readahead` and
 //! `max_write` are 1 MiB so `max_pages` is 256, the kernel's cap, and `FUSE_ASYNC_DIO`

@@ -40,7 +40,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
         .with_context(|| format!("cannot read COW {}", a.cow.display()))?;
     let base =
         File::open(&a.base).with_context(|| format!("cannot open base {}", a.base.display()))?;
-    crate::output::check_dest(&a.output, "-o")?;
+    ota::output::check_dest(&a.output, "-o")?;
     for input in [&a.base, &a.cow] {
         if same_file(input, &a.output) {
             bail!(
@@ -66,7 +66,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
         None => {
             let m = crate::checks::load_manifest(&a.check, &a.cow, &cow)?;
             if let Some(m) = &m {
-                crate::checks::check_base(m, progress, &cow, &base, &a.base)?;
+                ota::trust::check_base(m, progress, &cow, &base, &a.base)?;
             }
             m
         }
@@ -74,7 +74,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
             let whole = CowReader::open(&a.cow)
                 .with_context(|| format!("cannot read COW {}", a.cow.display()))?;
             if let Some(m) = crate::checks::load_manifest(&a.check, &a.cow, &whole)? {
-                crate::checks::check_base(&m, progress, &whole, &base, &a.base)?;
+                ota::trust::check_base(&m, progress, &whole, &base, &a.base)?;
             }
             None
         }
@@ -92,7 +92,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
     }
     let size = view.size();
     if a.size.is_none() && manifest.is_none() {
-        crate::checks::bound_without_size(&view, &a.cow)?;
+        ota::trust::bound_without_size(&view, &a.cow)?;
     }
     let bar = progress::Progress::new(size, "apply", progress::Unit::Bytes);
     let report = |done: u64| bar.set_position(done);
@@ -100,7 +100,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
     if is_block_device(&a.output) {
         // Written in place, so it cannot be undone: prove the result first.
         if manifest.is_some() {
-            crate::checks::prove_result(manifest.as_ref(), &cow, &base, &a.base, Some(size))?;
+            ota::trust::prove_result(manifest.as_ref(), &cow, &base, &a.base, Some(size))?;
         }
         let out = OpenOptions::new()
             .write(true)
@@ -118,7 +118,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
             .with_context(|| format!("fsync {}", a.output.display()))?;
     } else {
         // Dropped (and so deleted) on any error: no half-written output.
-        let tmp = crate::output::temp_beside(&a.output)?;
+        let tmp = ota::output::temp_beside(&a.output)?;
         tmp.as_file()
             .set_len(size)
             .with_context(|| format!("cannot size {}", tmp.path().display()))?;
@@ -140,8 +140,8 @@ pub fn run(a: Args) -> Result<ExitCode> {
                 );
             }
         }
-        crate::output::part_of_output(&a.output, || crate::output::commit(tmp, &a.output))?;
-        crate::output::keep_outputs();
+        ota::output::part_of_output(&a.output, || ota::output::commit(tmp, &a.output))?;
+        ota::output::keep_outputs();
     }
     bar.finish();
     if a.json {

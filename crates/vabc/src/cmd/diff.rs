@@ -3,15 +3,13 @@
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::Mutex;
 use std::time::Instant;
 
-use crate::progress;
 use anyhow::{Context, bail};
 use clap::ValueEnum;
 use cow::Compression;
 use delta::write::{CowOptions, write_cow};
-use delta::{ImageFile, PlanOptions, Progress};
+use delta::{ImageFile, PlanOptions};
 use serde::Serialize;
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -134,51 +132,6 @@ fn parse_factor(s: &str) -> Result<u32, String> {
     Ok(v as u32)
 }
 
-/// indicatif bar, shown only when stderr is a terminal.
-pub(crate) struct Bar {
-    bar: Mutex<Option<progress::Progress>>,
-    on: bool,
-}
-
-impl Bar {
-    /// Progress of planning and writing, shown as `progress::init` decided.
-    pub(crate) fn new() -> Bar {
-        Bar {
-            bar: Mutex::new(None),
-            on: true,
-        }
-    }
-}
-
-impl Progress for Bar {
-    fn make_temp(&self, dir: &Path, name: &str) -> std::io::Result<tempfile::NamedTempFile> {
-        crate::output::temp_in(dir, name)
-    }
-    fn start(&self, phase: &'static str, total: u64) {
-        if !self.on {
-            return;
-        }
-        let pb = progress::Progress::new(total, phase, progress::Unit::Items("blocks"));
-        if let Ok(mut b) = self.bar.lock() {
-            *b = Some(pb);
-        }
-    }
-    fn advance(&self, n: u64) {
-        if let Ok(b) = self.bar.lock()
-            && let Some(pb) = b.as_ref()
-        {
-            pb.inc(n);
-        }
-    }
-    fn finish(&self) {
-        if let Ok(mut b) = self.bar.lock()
-            && let Some(pb) = b.take()
-        {
-            pb.finish();
-        }
-    }
-}
-
 #[derive(Serialize)]
 struct Blocks {
     unchanged: u64,
@@ -274,14 +227,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             );
         }
     }
-    crate::output::check_dest(&args.output, "-o")?;
+    ota::output::check_dest(&args.output, "-o")?;
     let old = ImageFile::open(old_path, args.pad)?;
     let new = ImageFile::open(new_path, args.pad)?;
-    let bar = Bar {
-        bar: Mutex::new(None),
-        // The mode (bar, lines, off) is decided by progress::init.
-        on: true,
-    };
+    let bar = crate::progress::Bar::new();
+    let bar = ota::progress::Phases(&bar);
     let popts = PlanOptions {
         xor: !args.no_xor,
         threads: args.threads,
@@ -300,13 +250,13 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     };
     // The COW, its manifest and tree are one output: an interrupt or an error before
     // the last is written removes those written already.
-    let w = crate::output::part_of_output(&args.output, || {
+    let w = ota::output::part_of_output(&args.output, || {
         write_cow(&plan, &old, &new, &args.output, &copts, &bar)
             .with_context(|| format!("writing {}", args.output.display()))
     })?;
     // The COW writer's temporary file was created 0600; give the COW the mode any new
     // file gets.
-    crate::output::set_default_mode(&args.output)?;
+    ota::output::set_default_mode(&args.output)?;
     // What the update is for: the base it needs and the image it makes, checked by
     // apply, merge and serve before they read a base through this COW.
     let manifest_path = manifest::Manifest::path_for(&args.output);
@@ -326,10 +276,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         base: id(&old, old_path, plan.old_size)?,
         new: id(&new, new_path, plan.new_size)?,
         cow_ops: written.ops().len() as u64,
-        merged_op_hashes: Some(crate::checks::op_hashes(&written, &new_read, new_path)?),
+        merged_op_hashes: Some(ota::trust::op_hashes(&written, &new_read, new_path)?),
     };
-    crate::output::part_of_output(&manifest_path, || {
-        crate::output::write_atomic(&manifest_path, m.to_json().as_bytes())
+    ota::output::part_of_output(&manifest_path, || {
+        ota::output::write_atomic(&manifest_path, m.to_json().as_bytes())
     })?;
     let verity = if args.verity {
         let hashfile = args.verity_hash_out.clone().unwrap_or_else(|| {
@@ -337,8 +287,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             p.push(".verity");
             PathBuf::from(p)
         });
-        let f = crate::output::part_of_output(&hashfile, || {
-            super::verity::format_default(new_path, &hashfile, args.verity_salt.as_deref())
+        let f = ota::output::part_of_output(&hashfile, || {
+            ota::trees::format_default(new_path, &hashfile, args.verity_salt.as_deref())
+                .map_err(anyhow::Error::from)
                 .with_context(|| format!("verity tree of {}", new_path.display()))
         })?;
         Some(VerityReport {
@@ -356,7 +307,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         None
     };
     // Complete: the outputs stay.
-    crate::output::keep_outputs();
+    ota::output::keep_outputs();
     let c = plan.census;
     let report = Report {
         schema_version: crate::SCHEMA_VERSION,

@@ -91,7 +91,7 @@ fn write_pages(
         .render(&mut page)
         .with_context(|| format!("render the page of {name}"))?;
     let path = dir.join(format!("{name}.1"));
-    crate::output::write_atomic(&path, &page)?;
+    ota::output::write_atomic(&path, &page)?;
     written.push(path);
     for sub in cmd.get_subcommands().filter(|s| !s.is_hide_set()) {
         write_pages(sub, &format!("{name}-{}", sub.get_name()), dir, written)?;

@@ -234,10 +234,10 @@ fn run_check(a: &Args, r: &CowReader) -> Result<()> {
     let progress = merge::progress::read(r)?;
     let manifest = crate::checks::load_manifest(&a.checks, &a.cow, r)?;
     if let Some(m) = &manifest {
-        crate::checks::check_base(m, progress, r, &base, base_path)?;
+        ota::trust::check_base(m, progress, r, &base, base_path)?;
     }
     if !progress.started() {
-        crate::checks::prove_result(manifest.as_ref(), r, &base, base_path, None)?;
+        ota::trust::prove_result(manifest.as_ref(), r, &base, base_path, None)?;
     }
     Ok(())
 }

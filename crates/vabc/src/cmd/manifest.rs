@@ -52,15 +52,15 @@ pub fn run(a: Args) -> Result<ExitCode> {
         base: id(&a.old)?,
         new: id(&a.new)?,
         cow_ops: cow.ops().len() as u64,
-        merged_op_hashes: Some(crate::checks::op_hashes(&cow, &new, &a.new)?),
+        merged_op_hashes: Some(ota::trust::op_hashes(&cow, &new, &a.new)?),
     };
     if !a.no_check {
         let base = std::fs::File::open(&a.old)
             .with_context(|| format!("cannot open {}", a.old.display()))?;
-        crate::checks::prove_result(Some(&m), &cow, &base, &a.old, None)?;
+        ota::trust::prove_result(Some(&m), &cow, &base, &a.old, None)?;
     }
     let out = a.output.unwrap_or_else(|| Manifest::path_for(&a.cow));
-    crate::output::write_atomic(&out, m.to_json().as_bytes())?;
+    ota::output::write_atomic(&out, m.to_json().as_bytes())?;
     if a.json {
         let v = serde_json::json!({
             "schema_version": crate::SCHEMA_VERSION,

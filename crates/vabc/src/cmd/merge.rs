@@ -145,12 +145,12 @@ pub fn run(a: Args) -> Result<ExitCode> {
     // Every op still to merge decodes before the first write, whatever else is
     // checked: a payload that does not decode stops the merge with the base intact,
     // not one window in.
-    crate::checks::decode_every_op(&cow)?;
+    ota::trust::decode_every_op(&cow)?;
     if let Some(m) = &manifest {
-        crate::checks::check_base(m, progress, &cow, &base, &a.base)?;
+        ota::trust::check_base(m, progress, &cow, &base, &a.base)?;
     }
     if !progress.started() && !a.check.no_base_check {
-        crate::checks::prove_result(manifest.as_ref(), &cow, &base, &a.base, None)?;
+        ota::trust::prove_result(manifest.as_ref(), &cow, &base, &a.base, None)?;
     }
     let check_seconds = t_check.elapsed().as_secs_f64();
     let opts = MergeOptions {
@@ -181,7 +181,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
     {
         let base = std::fs::File::open(&a.base)
             .with_context(|| format!("cannot open {}", a.base.display()))?;
-        let written = crate::checks::written_region_mask(&cow, m.new.region_size)?;
+        let written = ota::trust::written_region_mask(&cow, m.new.region_size)?;
         let found = m.new.first_mismatch(&base, &a.base, base_size, |r| {
             written.get(r).copied().unwrap_or(false)
         })?;

@@ -133,7 +133,7 @@ pub struct Args {
     /// How a request's compressed units are handed to the decompression threads: one
     /// shared queue, a worker per CPU (pinned, fed by the requests on its CPU), or the
     /// same at real-time priority (SCHED_FIFO, where permitted). See the decode-pool
-    /// study in bench/RESULTS.md.
+    /// study in bench/results/read-path.md.
     #[arg(
         long,
         default_value = "shared",
@@ -379,7 +379,7 @@ pub(crate) fn run_with(args: Args, trigger: Option<MergeTrigger>) -> anyhow::Res
             .iter()
             .map(|(at, ns)| format!("{at} {ns}\n"))
             .collect();
-        crate::output::write_atomic(path, text.as_bytes())?;
+        ota::output::write_atomic(path, text.as_bytes())?;
     }
     if let Some(r) = recorder {
         let json = r.finish()?;
@@ -498,13 +498,13 @@ fn check_before_serving(
     if let Some(m) = &manifest {
         let base = std::fs::File::open(&args.base)
             .with_context(|| format!("cannot open base {}", args.base.display()))?;
-        crate::checks::check_base(m, progress, &cow, &base, &args.base)?;
+        ota::trust::check_base(m, progress, &cow, &base, &args.base)?;
         // Nothing wrong is served: without a dm-verity tree to check each block as it
         // is read, prove the whole result first (a full decode pass; the base of a
         // started merge is checked above, and its COW was proven before it began).
         if !progress.started() && args.verity_hash.is_none() {
             let t = std::time::Instant::now();
-            crate::checks::prove_result(Some(m), &cow, &base, &args.base, args.size)?;
+            ota::trust::prove_result(Some(m), &cow, &base, &args.base, args.size)?;
             log::info!(
                 "vabc serve: checked: base + COW make the update's new image ({:.2} s; \
                  --verity-hash checks each block as it is read instead)",
@@ -689,7 +689,7 @@ impl Frontends {
             "fuse_file": self.fuse_file(),
             "mount_target": self.stack.as_ref().map(|s| s.target().to_path_buf()),
         });
-        crate::output::write_atomic(path, format!("{report:#}\n").as_bytes())
+        ota::output::write_atomic(path, format!("{report:#}\n").as_bytes())
             .with_context(|| format!("write the ready report {}", path.display()))
     }
 
@@ -978,7 +978,7 @@ impl MergeJob {
             };
             let reader = cow::CowReader::from_file(cow_file, &cow, cow::OpenOptions::default())?;
             if let Some(manifest) = prove {
-                crate::checks::prove_result(manifest.as_ref(), &reader, &base_file, &base, None)?;
+                ota::trust::prove_result(manifest.as_ref(), &reader, &base_file, &base, None)?;
             }
             let size = cow::view::file_size(&base_file, &base)?;
             let m = merge::Merge::new(&reader, size, base, merge::MergeOptions::default())?;

@@ -328,7 +328,10 @@ fn write_timeline(
         .filter_map(|d| dev_name(d).map(|n| (d, n)))
         .collect();
     let trace = blocktrace::timeline::chrome_trace(spans, &analysis.ios, &names);
-    crate::output::write_atomic(out, &serde_json::to_vec(&trace)?)
+    Ok(ota::output::write_atomic(
+        out,
+        &serde_json::to_vec(&trace)?,
+    )?)
 }
 
 /// A recording of every block device and of vabc's own spans, for `serve --trace`.

@@ -3,23 +3,19 @@
 //! what to mount as root (the base, or base + COW served by a daemon, dm-verity on
 //! top); the new system says `mark-good`, and the serving daemon merges; `rollback`
 //! drops an update until its merge starts. The state machine is in the `update`
-//! crate; docs/09-device-updates.md tells the whole story.
+//! crate; docs/08-device-updates.md tells the whole story.
 
-use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use bundle::sign::PublicKey;
-use bundle::{BundleManifest, Trust};
 use serde::Serialize;
-use sha2::{Digest, Sha256};
-use update::{
-    BootAction, HEAD_FILE, PartitionState, State, Store, Update, VERSION_FILE, VerityRef,
-};
+use update::{BootAction, PartitionState, State, Store, Update};
 
 use crate::checks::mismatch;
+use crate::report;
+use ota::device::Keyring;
 
 /// Where a device keeps the public keys it trusts: outside the store, which whoever
 /// writes the data partition could change (and in the initramfs, for `boot`).
@@ -64,45 +60,8 @@ pub(crate) struct DeviceKeys {
 }
 
 impl DeviceKeys {
-    fn load(&self) -> Result<Vec<PublicKey>> {
-        if !self.keys.is_empty() {
-            return self
-                .keys
-                .iter()
-                .map(|k| PublicKey::load(k).map_err(Into::into))
-                .collect();
-        }
-        let mut paths = match std::fs::read_dir(&self.keyring) {
-            Ok(rd) => rd
-                .filter_map(|e| e.ok().map(|e| e.path()))
-                .filter(|p| p.extension().is_some_and(|x| x == "pem"))
-                .collect::<Vec<_>>(),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
-            Err(e) => {
-                return Err(e)
-                    .with_context(|| format!("read the keyring {}", self.keyring.display()));
-            }
-        };
-        paths.sort();
-        if paths.is_empty() && !self.allow_unsigned {
-            bail!(
-                "no trusted public key: {} holds no *.pem; put the update signer's public key \
-                 there or name it with --key (--allow-unsigned accepts unsigned updates, on a \
-                 development device only)",
-                self.keyring.display()
-            );
-        }
-        paths
-            .iter()
-            .map(|k| PublicKey::load(k).map_err(Into::into))
-            .collect()
-    }
-
-    fn trust<'k>(&self, keys: &'k [PublicKey]) -> Trust<'k> {
-        Trust::AnyOf {
-            keys,
-            unsigned_ok: self.allow_unsigned,
-        }
+    fn load(&self) -> Keyring {
+        Keyring::from_files(&self.keys, &self.keyring, self.allow_unsigned)
     }
 
     /// The same options, for a process `boot` starts.
@@ -119,83 +78,6 @@ impl DeviceKeys {
         }
         v
     }
-}
-
-/// Largest signed head read back from a store.
-const MAX_HEAD: u64 = bundle::HEADER_SIZE as u64 + bundle::format::MAX_MANIFEST as u64 + 64;
-
-/// The installed update's signed manifest: the stored head's signature checked
-/// again with the device's keys, the head being the one the state names, and the
-/// update's partitions the manifest's. Every identity a boot or a merge uses comes
-/// from here, not from the state file.
-fn signed_manifest(store: &Store, update: &Update, keys: &DeviceKeys) -> Result<BundleManifest> {
-    let path = store.path().join(HEAD_FILE);
-    let head = store.read_file(HEAD_FILE, MAX_HEAD)?;
-    let id = hex::encode(Sha256::digest(&head));
-    if id != update.id {
-        mismatch!(
-            "{}: the stored head is update {id}, the state names update {}: the store was \
-             altered",
-            path.display(),
-            update.id
-        );
-    }
-    let trusted = keys.load()?;
-    let (m, _) = bundle::read_head(&head, &path, keys.trust(&trusted))
-        .map_err(|e| anyhow::Error::new(crate::checks::Mismatch(e.to_string())))?;
-    let names = |v: Vec<&str>| v.join(", ");
-    let want: Vec<&str> = m.partitions.iter().map(|p| p.name.as_str()).collect();
-    let have: Vec<&str> = update.partitions.iter().map(|p| p.name.as_str()).collect();
-    if want != have {
-        mismatch!(
-            "{}: the state names partitions {}, the signed manifest {}: the store was altered",
-            store.path().display(),
-            names(have),
-            names(want)
-        );
-    }
-    Ok(m)
-}
-
-/// sha256 of a COW file as it was installed: the bytes a merge rewrites (its counter
-/// and scratch area, [`cow::Header::merge_written_ranges`]) taken as the zeros the
-/// writer left there, so that a COW is proven against its signed hash before and
-/// during its merge alike. Returns the file's size and the hex digest.
-fn sealed_sha256(file: &std::fs::File, path: &Path) -> Result<(u64, String)> {
-    use std::os::unix::fs::FileExt;
-    let size = file
-        .metadata()
-        .with_context(|| format!("stat {}", path.display()))?
-        .len();
-    let mut raw = [0u8; cow::format::HEADER_SIZE_V3 as usize];
-    let n = (raw.len() as u64).min(size) as usize;
-    file.read_exact_at(&mut raw[..n], 0)
-        .with_context(|| format!("{}: read the header at offset 0", path.display()))?;
-    let (_, header) = cow::Header::decode(&raw);
-    // A header too short to hold the counter is no COW vabc wrote; hash it as is.
-    let ranges = if usize::from(header.header_size) >= 38 && n >= 38 {
-        header.merge_written_ranges().to_vec()
-    } else {
-        Vec::new()
-    };
-    let mut h = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    let mut at = 0u64;
-    while at < size {
-        let len = (size - at).min(buf.len() as u64) as usize;
-        let chunk = &mut buf[..len];
-        file.read_exact_at(chunk, at)
-            .with_context(|| format!("{}: read at offset {at}", path.display()))?;
-        for r in &ranges {
-            let (lo, hi) = (r.start.max(at), r.end.min(at + len as u64));
-            if lo < hi {
-                chunk[(lo - at) as usize..(hi - at) as usize].fill(0);
-            }
-        }
-        h.update(&chunk[..]);
-        at += len as u64;
-    }
-    Ok((size, hex::encode(h.finalize())))
 }
 
 #[derive(clap::Args)]
@@ -354,213 +236,56 @@ pub fn run(a: Args) -> Result<ExitCode> {
     }
 }
 
-fn print_json(v: &serde_json::Value) -> Result<()> {
-    let mut out = std::io::stdout().lock();
-    writeln!(out, "{v:#}").context("write to stdout")
+#[derive(Serialize)]
+struct StoreReport<'a> {
+    store: &'a Path,
+    state: &'static str,
 }
 
 fn init(a: StoreArgs) -> Result<ExitCode> {
     Store::init(&a.store)?;
     if a.json {
-        print_json(&serde_json::json!({
-            "schema_version": crate::SCHEMA_VERSION,
-            "store": a.store,
-            "state": "none",
-        }))?;
+        report::print(StoreReport {
+            store: &a.store,
+            state: "none",
+        })?;
     } else {
         println!("{}: update store made (state none)", a.store.display());
     }
     Ok(ExitCode::SUCCESS)
 }
 
-/// The update a bundle makes, its partitions on `bases`: named by the sha256 of its
-/// signed head, which the store keeps.
-fn update_of(m: &BundleManifest, head: &[u8], bases: &[PathBuf], max_boot_attempts: u32) -> Update {
-    Update {
-        id: hex::encode(Sha256::digest(head)),
-        max_boot_attempts,
-        partitions: m
-            .partitions
-            .iter()
-            .zip(bases)
-            .map(|(p, base)| PartitionState {
-                name: p.name.clone(),
-                base: base.clone(),
-                cow: update::cow_name(&p.name),
-                verity: p.verity.as_ref().map(|v| VerityRef {
-                    file: update::verity_name(&p.name),
-                    root_hash: v.root_hash.clone(),
-                }),
-                new_size: p.image.new.size,
-                new_sha256: p.image.new.sha256.clone(),
-            })
-            .collect(),
-    }
-}
-
-/// Reads a version record (a decimal number); a missing file is none.
-fn read_version(path: &Path, bytes: Option<Vec<u8>>) -> Result<Option<u64>> {
-    let Some(bytes) = bytes else {
-        return Ok(None);
-    };
-    let text = String::from_utf8_lossy(&bytes);
-    text.trim().parse::<u64>().map(Some).with_context(|| {
-        format!(
-            "{}: not a version number: {:?}",
-            path.display(),
-            text.trim()
-        )
-    })
-}
-
-/// The version this device runs, and where that was read: the highest of the
-/// running image's version file and the store's record of the last merged update.
-fn running_version(store: &Store, version_file: &Path) -> Result<Option<(u64, PathBuf)>> {
-    let image = match std::fs::read(version_file) {
-        Ok(b) => read_version(version_file, Some(b))?,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-        Err(e) => return Err(e).with_context(|| format!("read {}", version_file.display())),
-    };
-    let recorded_path = store.path().join(VERSION_FILE);
-    let recorded = match store.exists(VERSION_FILE)? {
-        true => read_version(&recorded_path, Some(store.read_file(VERSION_FILE, 64)?))?,
-        false => None,
-    };
-    Ok(match (image, recorded) {
-        (Some(i), Some(r)) if r > i => Some((r, recorded_path)),
-        (Some(i), _) => Some((i, version_file.to_path_buf())),
-        (None, Some(r)) => Some((r, recorded_path)),
-        (None, None) => None,
-    })
-}
-
-/// Refuses a bundle that has expired or does not go forward from `running`.
-fn check_release(
-    m: &BundleManifest,
-    running: Option<&(u64, PathBuf)>,
-    allow_downgrade: bool,
-    now: u64,
-) -> Result<()> {
-    let r = &m.release;
-    if let Some(t) = r.expires
-        && now >= t
-    {
-        mismatch!(
-            "the bundle expired at {t} (seconds since 1970; now {now}): a newer release should \
-             have replaced it; nothing was written"
-        );
-    }
-    if let Some((v, from)) = running
-        && r.version <= *v
-    {
-        if allow_downgrade && !r.no_downgrade {
-            log::warn!(
-                "installing version {} over version {v} ({}): a downgrade, as asked",
-                r.version,
-                from.display()
-            );
-            return Ok(());
-        }
-        mismatch!(
-            "the bundle is version {}, not newer than version {v}, which this device runs ({}){}; \
-             nothing was written",
-            r.version,
-            from.display(),
-            if r.no_downgrade {
-                ": the bundle forbids installing it over a newer version"
-            } else if r.version == *v {
-                ": it is installed already"
-            } else {
-                ": `--allow-downgrade` installs an older release on purpose"
-            }
-        );
-    }
-    Ok(())
+#[derive(Serialize)]
+struct InstallReport<'a> {
+    store: &'a Path,
+    #[serde(flatten)]
+    done: &'a ota::device::DeviceInstall,
 }
 
 fn install(a: InstallArgs) -> Result<ExitCode> {
-    let store = Store::open(&a.store.store)?;
-    let before = store.load()?;
-    let keys = a.keys.load()?;
-    let running = running_version(&store, &a.version_file)?;
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    // Bases by absolute path: a later boot, from another folder, reads them.
-    let mut specs = Vec::new();
-    for s in &a.bases {
-        let (name, path) = s
-            .split_once('=')
-            .with_context(|| format!("--base {s:?}: expected NAME=PATH"))?;
-        let abs = std::fs::canonicalize(path)
-            .with_context(|| format!("--base {name}={path}: cannot resolve the path"))?;
-        specs.push(format!("{name}={}", abs.display()));
-    }
-    let mut begun: Option<Update> = None;
-    let result = super::bundle::install_into(
-        &a.bundle,
-        &specs,
+    let keys = a.keys.load();
+    let opts = ota::device::InstallOptions {
+        allow_downgrade: a.allow_downgrade,
+        version_file: a.version_file.clone(),
+        max_boot_attempts: a.max_boot_attempts,
+        threads: a.threads,
+    };
+    let bases = super::bundle::named_bases(&a.bases)?;
+    let done = ota::device::install(
         &a.store.store,
-        a.keys.trust(&keys),
-        a.threads,
-        &mut |m, head, bases| {
-            if let Some(p) = m.partitions.iter().find(|p| p.verity.is_none()) {
-                mismatch!(
-                    "partition {}: the bundle has no dm-verity root hash, which a device \
-                     update needs to check every block it boots and merges (make it with \
-                     `vabc bundle create --verity`); nothing was written",
-                    p.name
-                );
-            }
-            check_release(m, running.as_ref(), a.allow_downgrade, now)?;
-            let u = update_of(m, head, bases, a.max_boot_attempts);
-            let next = before
-                .begin_install(&u)
-                .map_err(|msg| store.refused(format!("{msg}; nothing was changed")))?;
-            // The signed head before the state that names it (again on a resume:
-            // the state names it by its hash, so the bytes are the same).
-            store.write_file(HEAD_FILE, head)?;
-            if next != before {
-                store.save(&next)?;
-            }
-            begun = Some(u);
-            Ok(())
-        },
-    );
-    let done = match result {
-        Ok(done) => done,
-        Err(e) => {
-            // Bad data found while streaming (a truncated or altered download): the
-            // device as it was, when this run began the install; a download cut by
-            // the network keeps what it saved, for the next run (`install_into` drops
-            // saved bytes that did not decode or hash). A resumed install keeps
-            // its state, to resume again.
-            if let (State::None, Some(u)) = (&before, &begun) {
-                store.save(&State::None)?;
-                store.remove_update_files(u)?;
-            }
-            return Err(e);
-        }
-    };
-    let now = store.load()?;
-    let installed = now.finish_install().map_err(|msg| store.refused(msg))?;
-    store.save(&installed)?;
-    let Some(u) = installed.update().cloned() else {
-        bail!(
-            "{}: the installed state names no update",
-            a.store.store.display()
-        );
-    };
+        &a.bundle,
+        &bases,
+        &keys,
+        &opts,
+        &crate::progress::Bar::new(),
+    )?;
     if a.store.json {
-        print_json(&serde_json::json!({
-            "schema_version": crate::SCHEMA_VERSION,
-            "store": a.store.store,
-            "state": installed.name(),
-            "update": u,
-            "partitions": done,
-        }))?;
+        report::print(InstallReport {
+            store: &a.store.store,
+            done: &done,
+        })?;
     } else {
-        for d in &done {
+        for d in &done.partitions {
             println!(
                 "{}: {} ({} bytes){}",
                 d.name,
@@ -573,7 +298,7 @@ fn install(a: InstallArgs) -> Result<ExitCode> {
             "{}: update installed; the next boot runs it ({} boots allowed before `vabc update \
              mark-good`)",
             a.store.store.display(),
-            u.max_boot_attempts
+            done.update.max_boot_attempts
         );
     }
     Ok(ExitCode::SUCCESS)
@@ -698,14 +423,19 @@ fn boot(a: BootArgs) -> Result<ExitCode> {
     // boot). Best effort when nothing is served: a missing record refuses mark-good.
     let snapshot = devices.iter().any(|d| d.served);
     if std::fs::create_dir_all(&a.run_dir).is_ok() {
-        let record = serde_json::json!({
-            "update_id": next.update().map(|u| u.id.clone()),
-            "snapshot": snapshot,
-        });
-        let written = crate::output::write_atomic(
-            &a.run_dir.join("booted.json"),
-            format!("{record:#}\n").as_bytes(),
-        );
+        let record = ota::device::Booted {
+            update_id: next.update().map(|u| u.id.clone()),
+            snapshot,
+        };
+        let written = serde_json::to_string_pretty(&record)
+            .map_err(anyhow::Error::from)
+            .and_then(|text| {
+                ota::output::write_atomic(
+                    &ota::device::Booted::path(&a.run_dir),
+                    format!("{text}\n").as_bytes(),
+                )
+                .map_err(anyhow::Error::from)
+            });
         if let (Err(e), true) = (written, snapshot) {
             return Err(e);
         }
@@ -714,13 +444,22 @@ fn boot(a: BootArgs) -> Result<ExitCode> {
         eprintln!("vabc update boot: {n}");
     }
     if a.store.json {
-        print_json(&serde_json::json!({
-            "schema_version": crate::SCHEMA_VERSION,
-            "state": next.name(),
-            "boot_attempts": match &next { State::Installed { boot_attempts, .. } => Some(*boot_attempts), _ => None },
-            "note": note,
-            "partitions": devices,
-        }))?;
+        #[derive(Serialize)]
+        struct BootReport<'a> {
+            state: &'static str,
+            boot_attempts: Option<u32>,
+            note: &'a Option<String>,
+            partitions: &'a [Booted],
+        }
+        report::print(BootReport {
+            state: next.name(),
+            boot_attempts: match &next {
+                State::Installed { boot_attempts, .. } => Some(*boot_attempts),
+                _ => None,
+            },
+            note: &note,
+            partitions: &devices,
+        })?;
     } else {
         for d in &devices {
             println!("{} {}", d.name, d.device.display());
@@ -732,7 +471,7 @@ fn boot(a: BootArgs) -> Result<ExitCode> {
 /// Serves every partition of `u` (none if one fails: its daemons are stopped), after
 /// checking the stored signature and the bases against this boot's configuration.
 fn serve_update(a: &BootArgs, store: &Store, u: &Update, pinned: &[Booted]) -> Result<Vec<Booted>> {
-    let m = signed_manifest(store, u, &a.keys)?;
+    let m = ota::device::signed_manifest(store, u, &a.keys.load())?;
     for p in &u.partitions {
         if let Some(b) = pinned.iter().find(|b| b.name == p.name) {
             let same = match (
@@ -962,143 +701,17 @@ fn held(file: std::fs::File) -> PathBuf {
     PathBuf::from(format!("/proc/self/fd/{}", file.into_raw_fd()))
 }
 
-/// The signed tree of a partition, proven: its superblock has the signed parameters
-/// and its levels hash up to the signed root hash. Returns the checker of new-image
-/// blocks the merge's scratch copies go through.
-fn prove_tree(
-    tree: &std::fs::File,
-    tree_path: &Path,
-    v: &bundle::VerityInfo,
-) -> Result<merge::BlockCheck> {
-    use std::os::unix::fs::FileExt;
-    let (params, uuid) = super::bundle::verity_params(v)?;
-    let mut sb = vec![0u8; verity::SUPERBLOCK_SIZE as usize];
-    tree.read_exact_at(&mut sb, 0)
-        .with_context(|| format!("{}: read the superblock", tree_path.display()))?;
-    let found = verity::Superblock::decode(&sb, tree_path, 0)?;
-    if found.params != params || found.uuid != uuid {
-        mismatch!(
-            "{}: the tree's superblock is not the signed one (parameters or UUID differ)",
-            tree_path.display()
-        );
-    }
-    let root = hex::decode(&v.root_hash).context("the signed root hash is not hex")?;
-    let len = tree
-        .metadata()
-        .with_context(|| format!("stat {}", tree_path.display()))?
-        .len();
-    let offset = verity::tree_offset(0, true, params.hash_block_size);
-    verity::verify_levels(
-        &params,
-        verity::Input {
-            reader: tree,
-            name: tree_path,
-            len,
-        },
-        offset,
-        &root,
-    )
-    .map_err(|e| anyhow::Error::new(crate::checks::Mismatch(e.to_string())))?;
-    let file = tree
-        .try_clone()
-        .with_context(|| format!("duplicate {}", tree_path.display()))?;
-    let verifier = verity::BlockVerifier::new(file, tree_path, offset, params.clone(), &root)?;
-    let dbs = u64::from(params.data_block_size);
-    Ok(std::sync::Arc::new(move |block: u64, data: &[u8]| {
-        // Verity blocks of at most 4 KiB each (the signed trees vabc makes are 4 KiB).
-        for (i, part) in data.chunks(dbs as usize).enumerate() {
-            let first = block * (cow::BLOCK_SIZE as u64 / dbs) + i as u64;
-            verifier.verify(first, part).map_err(|e| e.to_string())?;
-        }
-        Ok(())
-    }))
-}
-
 fn daemon(a: DaemonArgs) -> Result<ExitCode> {
     let store = Store::open(&a.store)?;
-    let state = store.load()?;
-    let Some(update) = state.update().cloned() else {
-        bail!("{}: no update to serve", a.store.display());
-    };
-    let Some(p) = update.partitions.iter().find(|p| p.name == a.partition) else {
-        bail!(
-            "{}: the update has no partition {}",
-            a.store.display(),
-            a.partition
-        );
-    };
     // Everything below is proven against the signed manifest before it is served,
     // and served from the descriptors that were proven.
-    let m = signed_manifest(&store, &update, &a.keys)?;
-    let Some(sp) = m.partition(&p.name) else {
-        bail!("partition {}: not in the signed manifest", p.name);
-    };
-    let cow_path = store.path().join(&p.cow);
-    let cow_file = store.open_file(&p.cow)?;
-    let t = Instant::now();
-    let (size, sha) = sealed_sha256(&cow_file, &cow_path)?;
-    if (size, &sha) != (sp.cow.size, &sp.cow.sha256) {
-        mismatch!(
-            "{}: {size} bytes with sha256 {sha} (its merge record aside), the signed manifest \
-             says {} bytes with sha256 {}: the COW was altered after it was installed",
-            cow_path.display(),
-            sp.cow.size,
-            sp.cow.sha256
-        );
-    }
-    let cow_secs = t.elapsed().as_secs_f64();
-    let base_size = std::fs::File::open(&p.base)
-        .and_then(|f| cow::view::file_size(&f, &p.base).map_err(std::io::Error::other))
-        .with_context(|| format!("open the base {}", p.base.display()))?;
-    if base_size != sp.partition_bytes() {
-        mismatch!(
-            "the base {} is {base_size} bytes, partition {} of the signed update is {}",
-            p.base.display(),
-            p.name,
-            sp.partition_bytes()
-        );
-    }
-    let t = Instant::now();
-    let (tree_check, tree_path) = match &sp.verity {
-        Some(v) => {
-            let name = update::verity_name(&p.name);
-            let tree_path = store.path().join(&name);
-            let tree = store.open_file(&name)?;
-            let check = prove_tree(&tree, &tree_path, v)?;
-            (Some(check), Some((held(tree), v.root_hash.clone())))
-        }
-        None => (None, None),
-    };
-    log::info!(
-        "vabc update: partition {}: COW proven against the signed manifest in {cow_secs:.3} s, \
-         tree in {:.3} s",
-        p.name,
-        t.elapsed().as_secs_f64()
-    );
-    // The identities serve checks the base and the result against: the signed base,
-    // and the new image's region hashes the install computed (the bundle signs only
-    // its sha256). A sidecar altered to other regions can only make serve refuse: base
-    // + the proven COW make the signed image, whatever the sidecar says.
-    let sidecar_path = store.path().join(format!("{}.manifest", p.cow));
-    let sidecar = manifest::Manifest::parse(
-        &String::from_utf8_lossy(&store.read_file(&format!("{}.manifest", p.cow), 64 << 20)?),
-        &sidecar_path,
-    )?;
-    if sidecar.cow_ops != sp.image.cow_ops
-        || sidecar.new.sha256 != sp.image.new.sha256
-        || sidecar.new.size != sp.image.new.size
-    {
-        mismatch!(
-            "{}: not the manifest of the signed update (its new image or op count differ)",
-            sidecar_path.display()
-        );
-    }
-    let trusted = manifest::Manifest {
-        base: sp.image.base.clone(),
-        ..sidecar
-    };
+    let proven = ota::device::prove_partition(&store, &a.keys.load(), &a.partition)?;
+    let (p, m, trusted) = (&proven.partition, &proven.manifest, &proven.trusted);
+    let tree_check = proven.tree_check.clone();
+    let cow_file = proven.cow;
+    let tree_path = proven.tree.map(|(tree, root)| (held(tree), root));
     let trusted_path = a.run_dir.join(format!("{}.manifest", p.name));
-    crate::output::write_atomic(&trusted_path, trusted.to_json().as_bytes())?;
+    ota::output::write_atomic(&trusted_path, trusted.to_json().as_bytes())?;
 
     let mut argv: Vec<std::ffi::OsString> = vec!["serve".into(), "--base".into()];
     argv.push(p.base.clone().into());
@@ -1122,7 +735,7 @@ fn daemon(a: DaemonArgs) -> Result<ExitCode> {
         argv.push("--root-hash".into());
         argv.push(root.into());
     }
-    if matches!(state, State::Merging { .. }) {
+    if proven.merging {
         argv.push("--merge".into());
     }
     #[derive(clap::Parser)]
@@ -1145,97 +758,20 @@ fn daemon(a: DaemonArgs) -> Result<ExitCode> {
             polled = Instant::now();
             matches!(watch.load(), Ok(State::Merging { .. }))
         }),
-        done: Box::new(move || merge_done(&store, version)),
+        done: Box::new(move || ota::device::merge_done(&store, version).map_err(Into::into)),
         scratch_check: tree_check,
     };
     super::serve::run_with(args, Some(trigger))
 }
 
-/// After one partition's merge: once every partition of the update is merged, the
-/// state becomes merged.
-fn merge_done(store: &Store, version: u64) -> Result<()> {
-    let state = store.load()?;
-    let Some(u) = state.update() else {
-        return Ok(());
-    };
-    for p in &u.partitions {
-        if !matches!(
-            merge_progress(store, p)?,
-            merge::progress::Progress::Complete { .. }
-        ) {
-            return Ok(());
-        }
-    }
-    if let Ok(next) = state.merged() {
-        // The version this device now runs, before the state says so: the floor of
-        // the next install.
-        store.write_file(VERSION_FILE, format!("{version}\n").as_bytes())?;
-        store.save(&next)?;
-        log::info!("vabc update: every partition merged; state merged");
-    }
-    Ok(())
-}
-
-fn merge_progress(store: &Store, p: &PartitionState) -> Result<merge::progress::Progress> {
-    let file = store.open_file(&p.cow)?;
-    let cow = cow::CowReader::from_file(
-        file,
-        &store.path().join(&p.cow),
-        cow::OpenOptions::default(),
-    )?;
-    Ok(merge::progress::read(&cow)?)
-}
-
 fn mark_good(m: MarkGoodArgs) -> Result<ExitCode> {
     let a = m.store;
-    let store = Store::open(&a.store)?;
-    let state = store.load()?;
-    let next = state.mark_good().map_err(|msg| store.refused(msg))?;
-    // The merge writes the base in place: what it merges must still be what was
-    // signed (the daemon proves the COW and its tree again before it merges).
-    if let Some(u) = state.update() {
-        signed_manifest(&store, u, &m.keys)
-            .context("nothing was changed; the update keeps running until it is rolled back")?;
-    }
-    // Only the new system may say it works: a boot that fell back to the base (the
-    // update failed to start) runs the old one.
-    let record = m.run_dir.join("booted.json");
-    let booted: Option<serde_json::Value> = std::fs::read_to_string(&record)
-        .ok()
-        .and_then(|t| serde_json::from_str(&t).ok());
-    let runs_update = booted.as_ref().is_some_and(|b| {
-        b["snapshot"] == true && b["update_id"].as_str() == state.update().map(|u| u.id.as_str())
-    });
-    if !runs_update {
-        return Err(store
-            .refused(format!(
-                "this boot does not run the update ({} says {}): {}; nothing was changed",
-                record.display(),
-                match &booted {
-                    Some(b) if b["snapshot"] == false => "the base was booted".to_string(),
-                    Some(_) => "another update".to_string(),
-                    None => "nothing".to_string(),
-                },
-                match &booted {
-                    // No record where this command looked: the boot may have written it
-                    // elsewhere.
-                    None => format!(
-                        "if `vabc update boot` ran with another --run-dir than {}, give \
-                         that one here; else reboot to try the update again, or roll it back",
-                        m.run_dir.display()
-                    ),
-                    Some(_) => "reboot to try the update again, or roll it back".to_string(),
-                }
-            ))
-            .into());
-    }
-    store.save(&next)?;
+    let state = ota::device::mark_good(&a.store, &m.run_dir, &m.keys.load())?;
     if a.json {
-        print_json(&serde_json::json!({
-            "schema_version": crate::SCHEMA_VERSION,
-            "store": a.store,
-            "state": next.name(),
-        }))?;
+        report::print(StoreReport {
+            store: &a.store,
+            state,
+        })?;
     } else {
         println!(
             "{}: marked good; the serving daemon merges the update (or the next boot does); \
@@ -1247,30 +783,25 @@ fn mark_good(m: MarkGoodArgs) -> Result<ExitCode> {
 }
 
 fn rollback(a: StoreArgs) -> Result<ExitCode> {
-    let store = Store::open(&a.store)?;
-    let state = store.load()?;
-    let next = state.roll_back().map_err(|msg| store.refused(msg))?;
-    store.save(&next)?;
-    if let Some(u) = state.update() {
-        store.remove_update_files(u)?;
-        // What an interrupted install left: the COW it was writing, its saved download.
-        for p in &u.partitions {
-            super::bundle::remove_stale(&a.store, &p.name, None)?;
-        }
-    }
-    let was = state.name();
+    let done = ota::device::rollback(&a.store)?;
     if a.json {
-        print_json(&serde_json::json!({
-            "schema_version": crate::SCHEMA_VERSION,
-            "store": a.store,
-            "state": next.name(),
-            "rolled_back_from": was,
-        }))?;
+        #[derive(Serialize)]
+        struct RollbackReport<'a> {
+            store: &'a Path,
+            state: &'static str,
+            rolled_back_from: &'static str,
+        }
+        report::print(RollbackReport {
+            store: &a.store,
+            state: done.state,
+            rolled_back_from: done.rolled_back_from,
+        })?;
     } else {
         println!(
-            "{}: the {was} update is rolled back; the old system runs{}",
+            "{}: the {} update is rolled back; the old system runs{}",
             a.store.display(),
-            if matches!(state, State::Installed { .. }) {
+            done.rolled_back_from,
+            if done.from_next_boot {
                 " from the next boot"
             } else {
                 ""
@@ -1281,70 +812,36 @@ fn rollback(a: StoreArgs) -> Result<ExitCode> {
 }
 
 fn status(a: StoreArgs) -> Result<ExitCode> {
-    let store = Store::open(&a.store)?;
-    let state = store.load()?;
-    let mut parts = Vec::new();
-    if let Some(u) = state.update() {
-        for p in &u.partitions {
-            let present = store.exists(&p.cow)?;
-            // A damaged COW is reported, not a reason to fail: status is how one
-            // finds out.
-            let (merge, damage) = match present.then(|| merge_progress(&store, p)) {
-                Some(Ok(m)) => (Some(m), None),
-                Some(Err(e)) => (None, Some(format!("{e:#}"))),
-                None => (None, None),
-            };
-            parts.push(serde_json::json!({
-                "name": p.name,
-                "base": p.base,
-                "cow": p.cow,
-                "cow_present": present,
-                "cow_error": damage,
-                "merge": merge.map(|m| match m {
-                    merge::progress::Progress::NotStarted => serde_json::json!({"merged": 0, "done": false}),
-                    merge::progress::Progress::InProgress { merged, total } => serde_json::json!({"merged": merged, "total": total, "done": false}),
-                    merge::progress::Progress::Complete { total } => serde_json::json!({"merged": total, "total": total, "done": true}),
-                }),
-                "merge_text": merge.map(|m| m.to_string()),
-                "root_hash": p.verity.as_ref().map(|v| v.root_hash.clone()),
-            }));
-        }
-    }
+    let st = ota::device::status(&a.store)?;
     if a.json {
-        print_json(&serde_json::json!({
-            "schema_version": crate::SCHEMA_VERSION,
-            "store": a.store,
-            "state": state.name(),
-            "update_id": state.update().map(|u| u.id.clone()),
-            "boot_attempts": match &state { State::Installed { boot_attempts, .. } => Some(*boot_attempts), _ => None },
-            "max_boot_attempts": state.update().map(|u| u.max_boot_attempts),
-            "partitions": parts,
-        }))?;
-    } else {
-        print!("{}: {}", a.store.display(), state.name());
-        if let State::Installed {
-            update,
-            boot_attempts,
-        } = &state
-        {
-            print!(
-                " ({boot_attempts} of {} boots used before mark-good)",
-                update.max_boot_attempts
-            );
+        #[derive(Serialize)]
+        struct StatusReport<'a> {
+            store: &'a Path,
+            #[serde(flatten)]
+            status: &'a ota::device::Status,
         }
-        println!();
-        for p in &parts {
-            println!(
-                "  {}: base {}, merge {}",
-                p["name"].as_str().unwrap_or_default(),
-                p["base"].as_str().unwrap_or_default(),
-                match (p["merge_text"].as_str(), p["cow_error"].as_str()) {
-                    (Some(m), _) => m.to_string(),
-                    (None, Some(e)) => format!("unknown: the COW is damaged: {e}"),
-                    (None, None) => "(no COW)".to_string(),
-                }
-            );
-        }
+        report::print(StatusReport {
+            store: &a.store,
+            status: &st,
+        })?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    print!("{}: {}", a.store.display(), st.state);
+    if let (Some(used), Some(max)) = (st.boot_attempts, st.max_boot_attempts) {
+        print!(" ({used} of {max} boots used before mark-good)");
+    }
+    println!();
+    for p in &st.partitions {
+        println!(
+            "  {}: base {}, merge {}",
+            p.name,
+            p.base.display(),
+            match (&p.merge_text, &p.cow_error) {
+                (Some(m), _) => m.to_string(),
+                (None, Some(e)) => format!("unknown: the COW is damaged: {e}"),
+                (None, None) => "(no COW)".to_string(),
+            }
+        );
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -94,22 +94,6 @@ pub fn run(args: Args) -> Result<ExitCode> {
     }
 }
 
-fn parse_salt(s: &str) -> Result<Vec<u8>> {
-    if s == "-" {
-        return Ok(Vec::new());
-    }
-    let salt = hex::decode(s)
-        .with_context(|| format!("--salt {s:?} is not hex (or \"-\" for no salt)"))?;
-    if salt.len() > verity::MAX_SALT_SIZE {
-        bail!(
-            "--salt is {} bytes, at most {} are allowed",
-            salt.len(),
-            verity::MAX_SALT_SIZE
-        );
-    }
-    Ok(salt)
-}
-
 /// Length of a regular file, or of a block device (whose metadata says 0).
 pub(crate) fn device_or_file_len(f: &File, path: &Path) -> Result<u64> {
     Ok(cow::view::file_size(f, path)?)
@@ -158,7 +142,7 @@ impl TreeOpts {
         let data_block_size = self.data_block_size.unwrap_or(4096);
         let hash_block_size = self.hash_block_size.unwrap_or(4096);
         let salt = match &self.salt {
-            Some(s) => parse_salt(s)?,
+            Some(s) => ota::trees::parse_salt(s)?,
             None => default_salt()?,
         };
         let whole = data_len / u64::from(data_block_size.max(1));
@@ -180,78 +164,6 @@ impl TreeOpts {
         }
         Ok(p)
     }
-}
-
-/// What [`format_default`] wrote.
-pub(crate) struct Formatted {
-    pub params: Params,
-    pub root: Vec<u8>,
-    pub uuid: [u8; 16],
-    pub hash_blocks: u64,
-}
-
-/// `vabc verity format DATA HASHFILE [--salt SALT]` with every other option at
-/// its default (sha256, 4096/4096, superblock at offset 0, random UUID; random
-/// 32-byte salt unless `salt` is given). HASHFILE is written to a temporary
-/// file and renamed into place.
-pub(crate) fn format_default(
-    data: &Path,
-    hashfile: &Path,
-    salt: Option<&str>,
-) -> Result<Formatted> {
-    let data_file = File::open(data).with_context(|| format!("open data {}", data.display()))?;
-    let data_len = device_or_file_len(&data_file, data)?;
-    let opts = TreeOpts {
-        hash: None,
-        salt: salt.map(str::to_string),
-        data_block_size: None,
-        hash_block_size: None,
-        data_blocks: None,
-        no_superblock: false,
-        hash_offset: 0,
-        format: None,
-    };
-    let params = opts.params(data_len, || Ok(verity::random_bytes(32)?))?;
-    let input = Input {
-        reader: &data_file,
-        name: data,
-        len: data_len,
-    };
-    write_hashfile(input, params, verity::random_uuid()?, hashfile)
-}
-
-/// Writes a superblock (`params`, `uuid`) and the tree of `input` under it to
-/// `hashfile` (a temporary file renamed into place), as `veritysetup format` with
-/// those parameters does.
-pub(crate) fn write_hashfile(
-    input: Input<'_>,
-    params: Params,
-    uuid: [u8; 16],
-    hashfile: &Path,
-) -> Result<Formatted> {
-    let layout = params.layout()?;
-    let tree_off = verity::tree_offset(0, true, params.hash_block_size);
-    let tmp = crate::output::temp_beside(hashfile)?;
-    let sb = Superblock {
-        params: params.clone(),
-        uuid,
-    };
-    let mut area = sb.encode().to_vec();
-    area.resize(tree_off as usize, 0);
-    std::os::unix::fs::FileExt::write_all_at(tmp.as_file(), &area, 0)
-        .with_context(|| format!("write superblock to {}", tmp.path().display()))?;
-    let mut w = tmp.as_file();
-    let root = verity::build_tree(input, &params, &mut w, tmp.path(), tree_off, None)?;
-    tmp.as_file()
-        .set_len(tree_off + layout.tree_size())
-        .context("size the temporary hash file")?;
-    crate::output::commit(tmp, hashfile)?;
-    Ok(Formatted {
-        params,
-        root,
-        uuid,
-        hash_blocks: layout.hash_blocks,
-    })
 }
 
 fn format(a: FormatArgs) -> Result<ExitCode> {
@@ -350,7 +262,7 @@ fn format(a: FormatArgs) -> Result<ExitCode> {
             root
         }
         _ => {
-            let tmp = crate::output::temp_beside(&a.hashfile)?;
+            let tmp = ota::output::temp_beside(&a.hashfile)?;
             if existing.is_some() && o.hash_offset > 0 {
                 // Keep what precedes the hash area (e.g. the data itself when
                 // the tree is appended to the image).
@@ -376,7 +288,7 @@ fn format(a: FormatArgs) -> Result<ExitCode> {
                     .set_permissions(md.permissions())
                     .context("copy permissions to the temporary file")?;
             }
-            crate::output::commit(tmp, &a.hashfile)?;
+            ota::output::commit(tmp, &a.hashfile)?;
             root
         }
     };
@@ -484,7 +396,7 @@ pub(crate) fn resolve_params(
                 "--salt",
                 o.salt
                     .as_ref()
-                    .map(|s| parse_salt(s).map_or(true, |s| s != p.salt)),
+                    .map(|s| ota::trees::parse_salt(s).map_or(true, |s| s != p.salt)),
             ),
         ];
         if let Some((opt, _)) = conflicts.iter().find(|(_, c)| *c == Some(true)) {

@@ -18,8 +18,7 @@
 //! requests are tens of microseconds away, and sleeping costs more than that. On a VM
 //! an idle vCPU halts, and waking it goes through the hypervisor; the chain of such
 //! wake-ups per request (loop worker, this thread, the completion) left half of the CPU
-//! time idle at queue depth 32 with the disk below its rate (bench/RESULTS.md,
-//! fifteenth session).
+//! time idle at queue depth 32 with the disk below its rate (bench/results/serve.md).
 //!
 //! What cannot be planned (a device with a merge hook or a verifier, devices that are
 //! not a `CowEngine`) and large READs (sequential streams, which the readahead wrapper

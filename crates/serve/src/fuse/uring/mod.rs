@@ -2,7 +2,7 @@
 //! parameter `fuse.enable_uring=Y`) of [`super::FuseExport`].
 //!
 //! The classic transport pays two system calls per request, which bounds random 4 KiB
-//! reads on a small machine (notes/serving.md). Here the kernel hands each request to a
+//! reads on a small machine (docs/05-serving.md). Here the kernel hands each request to a
 //! ring entry of the issuing CPU's queue; the queue's thread answers it straight into
 //! the entry's payload buffer, and commits the answer and fetches the next request in
 //! one SQE.
@@ -74,8 +74,7 @@ pub struct UringOptions {
     pub poll: Duration,
 }
 
-/// Default of [`UringOptions::poll`], chosen by measurement (bench/RESULTS.md, fifteenth
-/// session).
+/// Default of [`UringOptions::poll`], chosen by measurement (bench/results/serve.md).
 pub const DEFAULT_POLL: Duration = Duration::from_micros(50);
 
 impl Default for UringOptions {
