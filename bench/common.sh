@@ -20,11 +20,14 @@ machine() {
 	echo "$(nproc) CPUs ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)), $(free -g | awk '/Mem:/ {print $2}') GiB, Linux $(uname -r)"
 }
 
-# record_results NAME FILE: appends FILE to bench/RESULTS.md unless RECORD=0.
+# record_results NAME FILE [AREA]: appends FILE to bench/results/AREA.md (default:
+# NAME's area, read-path for the studies) unless RECORD=0; the verdict table in
+# bench/RESULTS.md is edited by hand from it.
 record_results() {
 	if [ "${RECORD:-1}" != 0 ]; then
-		printf '\n' >>"$ROOT/bench/RESULTS.md"
-		cat "$2" >>"$ROOT/bench/RESULTS.md"
-		echo "$1: appended to bench/RESULTS.md" >&2
+		local area=${3:-read-path}
+		printf '\n' >>"$ROOT/bench/results/$area.md"
+		cat "$2" >>"$ROOT/bench/results/$area.md"
+		echo "$1: appended to bench/results/$area.md" >&2
 	fi
 }

@@ -8,8 +8,7 @@
 # segment. With fio's default buffer (malloc) the loop-on-raw anchor moved between
 # ~1.1 and ~2.1 GB/s from round to round with the size of its disk reads (405 or 635
 # KiB on average), and so did the merge's fio bandwidth (1.0 or 2.2 GB/s): a 2x swing
-# in the reference that no change of ours could explain (bench/RESULTS.md, sixteenth
-# session). From a huge page every fio request goes out whole: the anchor is its
+# in the reference that no change of ours could explain (bench/results/serve.md). From a huge page every fio request goes out whole: the anchor is its
 # fast, steady case.
 #
 # huge_on DIR: reserves HUGE_PAGES (default 8) more 2 MiB pages, mounts hugetlbfs on

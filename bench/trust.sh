@@ -73,4 +73,4 @@ for pair in "${PAIRS[@]}"; do
 	printf '| %s | %s | %.2f | %.3f | %.3f | %s | %.3f | %s |\n' "$pair" "$mb" "$b" "$c" "$t" "$per" "$s" "$ratio" >>"$OUT"
 done
 cat "$OUT"
-record_results "bench/trust.sh" "$OUT"
+record_results "bench/trust.sh" "$OUT" trust

@@ -21,7 +21,7 @@
 # Usage: [VABC=binary] [PAIR=small] [ITERATIONS=50] [DESIGNS=shared,per-cpu,per-cpu-fifo]
 #        [RECORD=0] bench/studies/decode-pool.sh
 # Prints the tables and (unless RECORD=0) appends them, with the command, date and
-# machine, to bench/RESULTS.md. Needs root (FUSE, loop, mount, drop_caches), the
+# machine, to bench/results/read-path.md. Needs root (FUSE, loop, mount, drop_caches), the
 # corpus (built on first use), python3. About 5 minutes for `small` here.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)

@@ -23,7 +23,7 @@
 #
 # Usage: [VABC=binary] [FILE_MIB=1024] [FILES=10000] [ROUNDS=3] [LIBFUSE_SRC=DIR]
 #        [RECORD=0] bench/studies/fuse-cost.sh [-d WORKDIR]
-# Appends the table (command, date, machine) to bench/RESULTS.md unless RECORD=0.
+# Appends the table (command, date, machine) to bench/results/read-path.md unless RECORD=0.
 # Needs root, bindfs, util-linux (fincore).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)

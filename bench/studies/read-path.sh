@@ -25,7 +25,7 @@
 #
 # Usage: [VABC=binary] [TREE=DIR | PAIR=small] [FIO_SECONDS=3] [ROUNDS=3] [RECORD=0]
 #        bench/studies/read-path.sh
-# Appends the tables (command, date, machine) to bench/RESULTS.md unless RECORD=0.
+# Appends the tables (command, date, machine) to bench/results/read-path.md unless RECORD=0.
 # Needs root, squashfs-tools, erofs-utils, fio, python3. About 10 minutes for `small`.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)

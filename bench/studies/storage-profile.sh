@@ -13,7 +13,7 @@
 # Usage: [VABC=binary] [SIZE_MIB=1024] [SECONDS_EACH=5] [ROUNDS=3] [ROWS=2000] [RECORD=0]
 #        bench/studies/storage-profile.sh [-d WORKDIR]
 # Prints the table and (unless RECORD=0) appends it, with the command, date and
-# machine, to bench/RESULTS.md. Needs root (FUSE, loop, mount), fio, python3.
+# machine, to bench/results/read-path.md. Needs root (FUSE, loop, mount), fio, python3.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 SIZE=${SIZE_MIB:-1024} SECS=${SECONDS_EACH:-5} ROUNDS=${ROUNDS:-3} ROWS=${ROWS:-2000}
