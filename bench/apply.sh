@@ -18,7 +18,7 @@ WORK=${BENCH_DIR:-${TMPDIR:-/tmp}/vabc-bench-apply}
 mkdir -p "$WORK"
 
 cargo build --release -q -p vabc
-cargo build --release -q -p cow --example make_bench_cow
+cargo build --release -q -p vabc-cow --example make_bench_cow
 VABC=target/release/vabc
 if [ ! -f "$WORK/base.img" ] || [ "$(stat -c %s "$WORK/base.img")" -ne $((SIZE * 1048576)) ]; then
 	target/release/examples/make_bench_cow "$WORK" "$SIZE" $CODECS

@@ -57,7 +57,7 @@ for pair in $PAIRS; do
 		start=$(date +%s)
 		out=$(VABC_SOAK_OLD="$old" VABC_SOAK_NEW="$new" \
 			VABC_SOAK_COW="$WORK/$pair.cow" VABC_SOAK_POINTS="$POINTS" VABC_SOAK_DIR="$SOAK_DIR" \
-			cargo test --release -q -p merge --test crash_soak -- --ignored --nocapture 2>&1) || { echo "$out"; exit 1; }
+			cargo test --release -q -p vabc-merge --test crash_soak -- --ignored --nocapture 2>&1) || { echo "$out"; exit 1; }
 		line=$(echo "$out" | grep 'crash points over')
 		echo "$pair $fs: $line ($(($(date +%s) - start)) s)"
 		n=$(echo "$line" | sed -E 's/.*crash-soak: ([0-9]+) crash points.*/\1/')

@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VABC=${1:-${CARGO_TARGET_DIR:-target}/debug/vabc}
-cargo build --locked --example agent -p ota
+cargo build --locked --example agent -p vabc-ota
 AGENT=${CARGO_TARGET_DIR:-target}/debug/examples/agent
 W=$(mktemp -d "${TMPDIR:-/tmp}/vabc-embed.XXXXXX")
 SERVER=

@@ -59,7 +59,7 @@ impl Samples {
 }
 
 /// A stage's statistics (nanoseconds).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, schemars::JsonSchema)]
 pub struct Summary {
     pub n: u64,
     pub min_ns: u64,

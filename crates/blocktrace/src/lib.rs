@@ -43,7 +43,9 @@ use std::fmt;
 use std::path::PathBuf;
 
 /// A block device number, as the kernel's traces carry it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, schemars::JsonSchema,
+)]
 pub struct Dev {
     pub major: u32,
     pub minor: u32,

@@ -100,7 +100,7 @@ pub struct Options {
 }
 
 /// What a replay did and how long it took.
-#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, schemars::JsonSchema)]
 pub struct Outcome {
     pub seconds: f64,
     pub reads: u64,

@@ -45,7 +45,7 @@ struct Header {
 }
 
 /// What a bundle holds: read first, signed, and the only thing a device must trust.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct BundleManifest {
     /// `vabc-bundle`.
     pub format: String,
@@ -63,7 +63,7 @@ pub struct BundleManifest {
 
 /// A bundle's release: signed with the manifest, so that a device can refuse an
 /// update that goes back (update_engine's `max_timestamp`, TUF's version numbers).
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct Release {
     /// Increases with every release; a device refuses one not greater than the
     /// version it runs (0 in bundles made before it existed).
@@ -83,7 +83,7 @@ pub struct Release {
 }
 
 /// One partition's update.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct Partition {
     /// Partition name (`system`, `vendor`, ...): names its base and its outputs.
     pub name: String,
@@ -117,7 +117,7 @@ pub struct Partition {
 /// dm-verity parameters and root hash of a partition's new image, as `veritysetup
 /// format` takes and prints them; the tree itself is not shipped (about 0.8% of the
 /// image, and the device computes it from the image it has just proved by sha256).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct VerityInfo {
     /// Hash format: 1 (the default) or 0 (Chrome OS's original).
     pub format: u32,
@@ -136,7 +136,7 @@ pub struct VerityInfo {
 }
 
 /// The device-form COW: how it is written, and what it must come out as.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct CowParams {
     /// COW format version, 2 or 3.
     pub version: u16,
@@ -153,7 +153,9 @@ pub struct CowParams {
 }
 
 /// Blocks per op kind of a partition's plan.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
 pub struct PlanCounts {
     pub unchanged: u64,
     pub copy: u64,
@@ -163,7 +165,7 @@ pub struct PlanCounts {
 }
 
 /// A partition's payload.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct PayloadInfo {
     /// Offset from the start of the payload area (the first byte after the signature).
     pub offset: u64,

@@ -14,7 +14,7 @@ use delta::{BlockOp, Census, Plan, PlannedOp};
 use serde::{Deserialize, Serialize};
 
 /// What the varints encode.
-#[derive(Serialize, Deserialize)]
+#[derive(Serialize, Deserialize, schemars::JsonSchema)]
 struct WirePlan {
     old_size: u64,
     new_size: u64,
@@ -25,7 +25,7 @@ struct WirePlan {
 }
 
 /// `gap`: blocks between the previous op's destination and this one's, minus one.
-#[derive(Serialize, Deserialize)]
+#[derive(Serialize, Deserialize, schemars::JsonSchema)]
 enum WireOp {
     /// `src`: source block minus destination block.
     Copy {

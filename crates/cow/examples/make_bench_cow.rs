@@ -2,7 +2,7 @@
 //! one COW per codec, with a realistic op mix (half the blocks unchanged,
 //! COPY, unaligned XOR, multi-block REPLACE of compressible data, ZERO).
 //!
-//! `cargo run --release -p cow --example make_bench_cow -- DIR SIZE_MIB [CODEC...]`
+//! `cargo run --release -p vabc-cow --example make_bench_cow -- DIR SIZE_MIB [CODEC...]`
 
 use std::path::PathBuf;
 

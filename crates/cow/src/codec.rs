@@ -11,7 +11,9 @@ use std::str::FromStr;
 use crate::error::CowError;
 
 /// Compression algorithm ids as stored in the v3 header and v2 op records.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default, serde::Serialize)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, Default, serde::Serialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Codec {
     #[default]

@@ -56,7 +56,7 @@ pub mod op_type {
 }
 
 /// The kind of a data-bearing (non-metadata) op.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, schemars::JsonSchema)]
 #[serde(rename_all = "UPPERCASE")]
 pub enum OpKind {
     Copy,
@@ -156,7 +156,7 @@ impl Op {
 }
 
 /// A v3 resume point: label value and the op count when it was added.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, schemars::JsonSchema)]
 pub struct ResumePoint {
     pub label: u64,
     pub op_index: u64,
@@ -164,7 +164,7 @@ pub struct ResumePoint {
 
 /// The COW header, with the v3-only fields zero for older versions (AOSP reads
 /// any header into a zero-filled v3-sized struct).
-#[derive(Clone, Debug, PartialEq, Eq, Default, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Default, Serialize, schemars::JsonSchema)]
 pub struct Header {
     pub major_version: u16,
     pub minor_version: u16,

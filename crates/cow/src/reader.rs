@@ -19,7 +19,7 @@ use crate::format::*;
 use crate::merge;
 
 /// The v2 footer, as found on disk.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, schemars::JsonSchema)]
 pub struct Footer {
     /// File offset of the footer op record.
     pub offset: u64,
@@ -28,7 +28,7 @@ pub struct Footer {
 }
 
 /// A label in the op stream (v2) or a resume point (v3).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, schemars::JsonSchema)]
 pub struct Label {
     pub label: u64,
     /// Number of data ops that precede the label.

@@ -65,7 +65,7 @@ impl Default for WriterOptions {
 }
 
 /// What `finalize` wrote.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, schemars::JsonSchema)]
 pub struct CowSizeInfo {
     /// Bytes of the finished file.
     pub cow_size: u64,

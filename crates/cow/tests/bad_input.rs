@@ -73,7 +73,7 @@ fn seeds() -> Vec<(String, Vec<u8>)> {
     out
 }
 
-/// Regenerate the seed corpus: `cargo test -p cow --test bad_input -- --ignored`.
+/// Regenerate the seed corpus: `cargo test -p vabc-cow --test bad_input -- --ignored`.
 #[test]
 #[ignore]
 fn generate_seed_corpus() {

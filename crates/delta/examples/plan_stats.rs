@@ -1,6 +1,6 @@
 //! Print the plan census of an OLD/NEW pair and an estimate of the payload
 //! (lz4 per 4 KiB block), for tuning the planner on the corpus:
-//! `cargo run --release -p delta --example plan_stats -- OLD NEW [anchor_bits] [xor_max_percent] [threads]`
+//! `cargo run --release -p vabc-delta --example plan_stats -- OLD NEW [anchor_bits] [xor_max_percent] [threads]`
 use std::path::Path;
 use std::time::Instant;
 

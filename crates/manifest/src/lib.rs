@@ -84,7 +84,7 @@ pub enum ManifestError {
 pub type Result<T> = std::result::Result<T, ManifestError>;
 
 /// Size and hashes of one image.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct ImageId {
     pub size: u64,
     /// sha256 of the whole image, hex.
@@ -371,7 +371,7 @@ impl ImageId {
 }
 
 /// What `vabc diff` records about an update.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct Manifest {
     pub schema_version: u32,
     /// The image the COW must be applied to.

@@ -42,7 +42,7 @@ fn seeds() -> Vec<(String, Vec<u8>)> {
     out
 }
 
-/// Regenerate the seed corpus: `cargo test -p merge --test fuzz_corpus -- --ignored`.
+/// Regenerate the seed corpus: `cargo test -p vabc-merge --test fuzz_corpus -- --ignored`.
 #[test]
 #[ignore]
 fn generate_seed_corpus() {

@@ -126,7 +126,7 @@ impl Default for InstallOptions {
 }
 
 /// What [`install`] did.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, schemars::JsonSchema)]
 pub struct DeviceInstall {
     /// The store's state now (`installed`).
     pub state: &'static str,
@@ -248,7 +248,7 @@ pub fn install(
 
 /// What this boot runs, as `vabc update boot` records it in its run folder
 /// (`booted.json`): the update's id and whether base + COW is served.
-#[derive(Debug, Clone, Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize, schemars::JsonSchema)]
 pub struct Booted {
     /// The update the state named at boot.
     pub update_id: Option<String>,
@@ -314,7 +314,7 @@ pub fn mark_good(store_path: &Path, run_dir: &Path, keys: &Keyring) -> Result<&'
 }
 
 /// What [`rollback`] did.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, schemars::JsonSchema)]
 pub struct RolledBack {
     /// The state now (`none`).
     pub state: &'static str,
@@ -346,7 +346,7 @@ pub fn rollback(store_path: &Path) -> Result<RolledBack> {
 }
 
 /// A merge's progress as a report gives it.
-#[derive(Debug, Clone, Copy, Serialize)]
+#[derive(Debug, Clone, Copy, Serialize, schemars::JsonSchema)]
 pub struct MergeStatus {
     /// Ops merged.
     pub merged: u64,
@@ -381,7 +381,7 @@ impl From<merge::progress::Progress> for MergeStatus {
 }
 
 /// One partition in a [`Status`].
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, schemars::JsonSchema)]
 pub struct PartitionStatus {
     /// The partition.
     pub name: String,
@@ -402,7 +402,7 @@ pub struct PartitionStatus {
 }
 
 /// The update's state and its merge's progress.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, schemars::JsonSchema)]
 pub struct Status {
     /// The state's name.
     pub state: &'static str,

@@ -18,7 +18,7 @@ use crate::error::{Context, Error, Result, invalid, mismatch};
 use crate::progress::{Event, Observer, Phases};
 
 /// What an install did with one partition.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, schemars::JsonSchema)]
 pub struct Installed {
     /// The partition.
     pub name: String,
@@ -695,4 +695,81 @@ fn free_bytes(dir: &Path) -> Result<u64> {
         return Err(Error::io("statvfs", dir, std::io::Error::last_os_error()));
     }
     Ok(st.f_bavail as u64 * st.f_frsize as u64)
+}
+
+/// An image [`apply`] made.
+#[derive(Debug, Clone, Serialize, schemars::JsonSchema)]
+pub struct Applied {
+    /// The partition.
+    pub name: String,
+    /// The new image written.
+    pub image: PathBuf,
+    /// Its size in bytes.
+    pub size: u64,
+    /// Its sha256 (the signed one), hex.
+    pub sha256: String,
+    /// Its dm-verity hash file (bundles made with verity).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub verity: Option<PathBuf>,
+    /// The tree's root hash, hex.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub root_hash: Option<String>,
+}
+
+/// Makes the new images of a bundle as files `NAME.img` (and `NAME.verity`) in
+/// `req.out_dir`: installed into a work folder beside them first, then each image
+/// read through its COW, checked against the signed identity and renamed into place.
+pub fn apply(req: &Request<'_>, observer: &dyn Observer) -> Result<Vec<Applied>> {
+    let out_dir = req.out_dir;
+    if !out_dir.is_dir() {
+        invalid!("--out-dir {}: not a directory", out_dir.display());
+    }
+    let work = crate::output::temp_dir_beside(&out_dir.join("x"), "bundle-apply")?;
+    let staged = Request {
+        out_dir: work.path(),
+        ..*req
+    };
+    let done = install(&staged, &mut |_, _, _| Ok(()), observer)?;
+    let mut outputs = Vec::new();
+    for d in &done {
+        let m = manifest::Manifest::load(&d.manifest)?;
+        let cow = cow::CowReader::open(&d.cow)?;
+        let base = File::open(&d.base).map_err(|e| Error::io("cannot open base", &d.base, e))?;
+        let view = cow::SnapshotView::new(&cow, &base, &d.base, Some(m.new.size))?;
+        let out = out_dir.join(format!("{}.img", d.name));
+        let tmp = crate::output::temp_beside(&out)?;
+        tmp.as_file()
+            .set_len(m.new.size)
+            .map_err(|e| Error::io("cannot size", tmp.path(), e))?;
+        view.write_to(tmp.as_file(), tmp.path(), true, &|_| {})?;
+        if let Some(found) = m
+            .new
+            .first_mismatch(tmp.as_file(), tmp.path(), m.new.size, |_| true)?
+        {
+            mismatch!(
+                "partition {}: the image made from the bundle is not the new image: {found}; \
+                 nothing was written",
+                d.name
+            );
+        }
+        crate::output::part_of_output(&out, || crate::output::commit(tmp, &out))?;
+        let verity = match &d.verity {
+            Some(tree) => {
+                let dest = out_dir.join(update::verity_name(&d.name));
+                std::fs::rename(tree, &dest)
+                    .map_err(|e| Error::io(format!("rename to {}", dest.display()), tree, e))?;
+                Some(dest)
+            }
+            None => None,
+        };
+        outputs.push(Applied {
+            name: d.name.clone(),
+            image: out,
+            size: m.new.size,
+            sha256: m.new.sha256.clone(),
+            verity,
+            root_hash: d.root_hash.clone(),
+        });
+    }
+    Ok(outputs)
 }

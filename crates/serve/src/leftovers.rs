@@ -45,7 +45,7 @@ pub fn run_dir() -> PathBuf {
 }
 
 /// What one serving daemon set up.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct Record {
     pub pid: u32,
     /// Field 22 of `/proc/PID/stat` (clock ticks after boot).
@@ -161,7 +161,7 @@ fn start_time(pid: u32) -> io::Result<u64> {
 }
 
 /// One thing [`cleanup`] removed, or failed to remove.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, schemars::JsonSchema)]
 pub struct Removed {
     /// The daemon that left it behind.
     pub pid: u32,

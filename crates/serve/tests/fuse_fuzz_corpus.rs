@@ -104,7 +104,7 @@ fn seeds() -> Vec<(&'static str, Vec<u8>)> {
     vec![("session", session), ("cut", cut), ("bad_len", bad_len)]
 }
 
-/// Regenerate the seed corpus: `cargo test -p serve --test fuse_fuzz_corpus -- --ignored`.
+/// Regenerate the seed corpus: `cargo test -p vabc-serve --test fuse_fuzz_corpus -- --ignored`.
 #[test]
 #[ignore]
 fn generate_seed_corpus() {

@@ -107,7 +107,7 @@ fn seeds() -> Vec<(&'static str, Vec<u8>)> {
     ]
 }
 
-/// Regenerate the seed corpus: `cargo test -p serve --test nbd_fuzz_corpus -- --ignored`.
+/// Regenerate the seed corpus: `cargo test -p vabc-serve --test nbd_fuzz_corpus -- --ignored`.
 #[test]
 #[ignore]
 fn generate_seed_corpus() {

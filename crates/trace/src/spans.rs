@@ -243,7 +243,7 @@ mod cap {
 }
 
 /// What one span costs on this machine (a measurement, not a check: it asserts
-/// nothing). `cargo test --release -p trace span_cost -- --ignored --nocapture`
+/// nothing). `cargo test --release -p vabc-trace span_cost -- --ignored --nocapture`
 #[cfg(test)]
 mod cost {
     #[test]

@@ -90,7 +90,7 @@ pub enum UpdateError {
 pub type Result<T> = std::result::Result<T, UpdateError>;
 
 /// One partition of an installed update.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct PartitionState {
     /// Partition name (`system`, ...), as in the bundle.
     pub name: String,
@@ -109,14 +109,14 @@ pub struct PartitionState {
 }
 
 /// A dm-verity tree in the store.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct VerityRef {
     pub file: String,
     pub root_hash: String,
 }
 
 /// What is being installed or has been.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct Update {
     /// Tells updates apart: sha256 of the bundle's signed manifest, hex.
     pub id: String,
@@ -126,7 +126,7 @@ pub struct Update {
 }
 
 /// The device's update state.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(tag = "state", rename_all = "kebab-case")]
 pub enum State {
     /// No update: boot the base.
@@ -292,7 +292,7 @@ impl State {
 }
 
 /// The state file's layout.
-#[derive(Serialize, Deserialize)]
+#[derive(Serialize, Deserialize, schemars::JsonSchema)]
 struct StateFile {
     schema_version: u32,
     #[serde(flatten)]

@@ -43,6 +43,7 @@ fn serve_tells_the_service_manager_when_it_is_ready_and_when_it_stops() {
     let report: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&ready).unwrap()).unwrap();
     assert_eq!(report["pid"], child.id());
+    serve_common::validate_report("serve-ready", &report);
     sigterm(child.id());
     let n = sock.recv(&mut buf).expect("no STOPPING=1");
     assert!(String::from_utf8_lossy(&buf[..n]).contains("STOPPING=1"));

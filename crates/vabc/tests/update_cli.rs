@@ -70,7 +70,8 @@ impl Device {
             "--verity",
         ]);
         let store = d.join("store");
-        ok(&["update", "init", "--store", s(&store)]);
+        // Every step with --json: run_vabc checks each report against its schema.
+        ok(&["update", "init", "--store", s(&store), "--json"]);
         Device {
             base,
             store,
@@ -148,6 +149,7 @@ impl Device {
             s(&self.public),
             "--max-boot-attempts",
             "2",
+            "--json",
         ]
         .map(String::from)
         .to_vec()
@@ -229,6 +231,7 @@ impl Device {
             s(&self.run),
             "--key",
             s(&self.public),
+            "--json",
         ])
     }
 
@@ -529,7 +532,7 @@ fn an_install_killed_at_random_points_boots_the_old_system_and_resumes() {
         let st = d.state()["state"].as_str().unwrap().to_string();
         if st == "installed" {
             // It finished before the kill: start over.
-            ok(&["update", "rollback", "--store", s(&d.store)]);
+            ok(&["update", "rollback", "--store", s(&d.store), "--json"]);
             continue;
         }
         if round % 2 == 1 && st == "installing" {

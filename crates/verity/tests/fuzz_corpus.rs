@@ -65,7 +65,7 @@ fn seeds() -> Vec<(String, Vec<u8>)> {
     out
 }
 
-/// Regenerate the seed corpus: `cargo test -p verity --test fuzz_corpus -- --ignored`.
+/// Regenerate the seed corpus: `cargo test -p vabc-verity --test fuzz_corpus -- --ignored`.
 #[test]
 #[ignore]
 fn generate_seed_corpus() {

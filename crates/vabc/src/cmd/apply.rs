@@ -145,16 +145,14 @@ pub fn run(a: Args) -> Result<ExitCode> {
     }
     bar.finish();
     if a.json {
-        let v = serde_json::json!({
-            "schema_version": crate::SCHEMA_VERSION,
-            "output": a.output,
-            "size": size,
-            "base": a.base,
-            "cow": a.cow,
-            "base_checked": manifest.is_some(),
-            "new_sha256": manifest.as_ref().map(|m| m.new.sha256.clone()),
-        });
-        println!("{}", serde_json::to_string_pretty(&v)?);
+        crate::report::print(ApplyReport {
+            output: &a.output,
+            size,
+            base: &a.base,
+            cow: &a.cow,
+            base_checked: manifest.is_some(),
+            new_sha256: manifest.as_ref().map(|m| m.new.sha256.as_str()),
+        })?;
     } else {
         println!(
             "wrote {} ({size} bytes) from {} + {}",
@@ -177,4 +175,15 @@ fn same_file(a: &Path, b: &Path) -> bool {
         (Ok(x), Ok(y)) => x.dev() == y.dev() && x.ino() == y.ino(),
         _ => false,
     }
+}
+
+/// `vabc apply --json`.
+#[derive(serde::Serialize, schemars::JsonSchema)]
+pub(crate) struct ApplyReport<'a> {
+    output: &'a std::path::Path,
+    size: u64,
+    base: &'a std::path::Path,
+    cow: &'a std::path::Path,
+    base_checked: bool,
+    new_sha256: Option<&'a str>,
 }

@@ -88,45 +88,40 @@ fn print_info(info: &avb::ImageInfo, json: bool) -> Result<()> {
         print!("{}", avb::format_image_info(info));
         return Ok(());
     }
-    let descriptors: Vec<serde_json::Value> = info
+    let descriptors = info
         .descriptors
         .iter()
         .map(|d| match d {
-            avb::Descriptor::Hashtree(h) => serde_json::json!({
-                "type": "hashtree",
-                "partition_name": h.partition_name,
-                "image_size": h.image_size,
-                "tree_offset": h.tree_offset,
-                "tree_size": h.tree_size,
-                "data_block_size": h.data_block_size,
-                "hash_block_size": h.hash_block_size,
-                "hash_algorithm": h.hash_algorithm,
-                "salt": hex::encode(&h.salt),
-                "root_digest": hex::encode(&h.root_digest),
-                "dm_verity_version": h.dm_verity_version,
-                "flags": h.flags,
-            }),
-            avb::Descriptor::Other { tag, bytes } => serde_json::json!({
-                "type": "other",
-                "tag": tag,
-                "size": bytes.len(),
-            }),
+            avb::Descriptor::Hashtree(h) => DescriptorReport::Hashtree {
+                partition_name: &h.partition_name,
+                image_size: h.image_size,
+                tree_offset: h.tree_offset,
+                tree_size: h.tree_size,
+                data_block_size: h.data_block_size,
+                hash_block_size: h.hash_block_size,
+                hash_algorithm: &h.hash_algorithm,
+                salt: hex::encode(&h.salt),
+                root_digest: hex::encode(&h.root_digest),
+                dm_verity_version: h.dm_verity_version,
+                flags: h.flags,
+            },
+            avb::Descriptor::Other { tag, bytes } => DescriptorReport::Other {
+                tag: *tag,
+                size: bytes.len(),
+            },
         })
         .collect();
-    let v = serde_json::json!({
-        "schema_version": crate::SCHEMA_VERSION,
-        "image_size": info.image_size,
-        "footer": info.footer.as_ref().map(|f| serde_json::json!({
-            "version": format!("{}.{}", f.version_major, f.version_minor),
-            "original_image_size": f.original_image_size,
-            "vbmeta_offset": f.vbmeta_offset,
-            "vbmeta_size": f.vbmeta_size,
-        })),
-        "release_string": info.header.release_string,
-        "descriptors": descriptors,
-    });
-    println!("{}", serde_json::to_string_pretty(&v)?);
-    Ok(())
+    crate::report::print(AvbInfoReport {
+        image_size: info.image_size,
+        footer: info.footer.as_ref().map(|f| FooterReport {
+            version: format!("{}.{}", f.version_major, f.version_minor),
+            original_image_size: f.original_image_size,
+            vbmeta_offset: f.vbmeta_offset,
+            vbmeta_size: f.vbmeta_size,
+        }),
+        release_string: &info.header.release_string,
+        descriptors,
+    })
 }
 
 fn add(a: AddArgs) -> Result<ExitCode> {
@@ -150,4 +145,43 @@ fn add(a: AddArgs) -> Result<ExitCode> {
     let info = avb::read_image_info(&a.image)?;
     print_info(&info, a.json)?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// `vabc avb info --json`.
+#[derive(serde::Serialize, schemars::JsonSchema)]
+pub(crate) struct AvbInfoReport<'a> {
+    image_size: u64,
+    footer: Option<FooterReport>,
+    release_string: &'a str,
+    descriptors: Vec<DescriptorReport<'a>>,
+}
+
+#[derive(serde::Serialize, schemars::JsonSchema)]
+struct FooterReport {
+    version: String,
+    original_image_size: u64,
+    vbmeta_offset: u64,
+    vbmeta_size: u64,
+}
+
+#[derive(serde::Serialize, schemars::JsonSchema)]
+#[serde(tag = "type", rename_all = "lowercase")]
+enum DescriptorReport<'a> {
+    Hashtree {
+        partition_name: &'a str,
+        image_size: u64,
+        tree_offset: u64,
+        tree_size: u64,
+        data_block_size: u32,
+        hash_block_size: u32,
+        hash_algorithm: &'a str,
+        salt: String,
+        root_digest: String,
+        dm_verity_version: u32,
+        flags: u32,
+    },
+    Other {
+        tag: u64,
+        size: usize,
+    },
 }

@@ -2,7 +2,6 @@
 //! `verify`), turned into device-form COWs on the device (`install`) or into the new
 //! images (`apply`). The format is in the `bundle` crate and docs/04-bundle.md.
 
-use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -16,6 +15,7 @@ use serde::Serialize;
 
 use crate::checks::mismatch;
 use crate::progress::Bar;
+use crate::report;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -288,9 +288,8 @@ fn split_name(s: &str, what: &str) -> Result<(String, String)> {
     Ok((name.to_string(), rest.to_string()))
 }
 
-#[derive(Serialize)]
-struct CreateReport {
-    schema_version: u32,
+#[derive(Serialize, schemars::JsonSchema)]
+pub(crate) struct CreateReport {
     output: PathBuf,
     size: u64,
     signed: bool,
@@ -299,7 +298,7 @@ struct CreateReport {
     seconds: f64,
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, schemars::JsonSchema)]
 struct PartReport {
     name: String,
     /// A full image (no base).
@@ -412,7 +411,6 @@ fn create(a: CreateArgs) -> Result<ExitCode> {
         .with_context(|| format!("stat {}", a.output.display()))?
         .len();
     let report = CreateReport {
-        schema_version: crate::SCHEMA_VERSION,
         output: a.output.clone(),
         size,
         signed: key.is_some(),
@@ -421,7 +419,7 @@ fn create(a: CreateArgs) -> Result<ExitCode> {
         seconds: t0.elapsed().as_secs_f64(),
     };
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        report::print(&report)?;
     } else {
         println!(
             "{}: {size} bytes, {} partition(s), {} in {:.1} s",
@@ -460,27 +458,14 @@ fn info(a: InfoArgs) -> Result<ExitCode> {
     )?;
     let m = r.manifest();
     if a.json {
-        #[derive(Serialize)]
-        struct Info<'a> {
-            schema_version: u32,
-            bundle: &'a Path,
-            format_version: u32,
-            signed: bool,
-            /// Whether --key checked the signature (a failed check is an error).
-            signature_checked: bool,
-            payload_bytes: u64,
-            manifest: &'a BundleManifest,
-        }
-        let out = Info {
-            schema_version: crate::SCHEMA_VERSION,
+        report::print(InfoReport {
             bundle: &a.bundle,
             format_version: bundle::FORMAT_VERSION,
             signed: r.is_signed(),
             signature_checked: key.is_some(),
             payload_bytes: m.payload_bytes(),
             manifest: m,
-        };
-        println!("{}", serde_json::to_string_pretty(&out)?);
+        })?;
         return Ok(ExitCode::SUCCESS);
     }
     println!(
@@ -555,15 +540,17 @@ fn verify(a: VerifyArgs) -> Result<ExitCode> {
     }
     let signer = r.manifest().signer.clone();
     if a.json {
-        let out = serde_json::json!({
-            "schema_version": crate::SCHEMA_VERSION,
-            "bundle": a.bundle,
-            "signature": if key.is_some() { "verified" } else { "not checked" },
-            "signer": signer,
-            "partitions": n,
-            "payload_bytes": r.manifest().payload_bytes(),
-        });
-        println!("{out:#}");
+        report::print(VerifyReport {
+            bundle: &a.bundle,
+            signature: if key.is_some() {
+                "verified"
+            } else {
+                "not checked"
+            },
+            signer,
+            partitions: n,
+            payload_bytes: r.manifest().payload_bytes(),
+        })?;
     } else {
         println!(
             "{}: {} ({n} partition payloads hash as the manifest says)",
@@ -577,8 +564,8 @@ fn verify(a: VerifyArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-#[derive(Serialize)]
-struct PlanPart {
+#[derive(Serialize, schemars::JsonSchema)]
+pub(crate) struct PlanPart {
     name: String,
     /// Whether the base is the one the bundle was made for.
     base_ok: bool,
@@ -640,21 +627,19 @@ fn plan(a: PlanArgs) -> Result<ExitCode> {
     let merge_s = merge_io as f64 / 1e6 / speed;
     let all_ok = parts.iter().all(|p| p.base_ok);
     if a.json {
-        let out = serde_json::json!({
-            "schema_version": crate::SCHEMA_VERSION,
-            "bundle": a.bundle,
-            "bases_ok": all_ok,
-            "download_bytes": download,
-            "cow_bytes": cow,
-            "verity_bytes": trees,
-            "merge_io_bytes": merge_io,
-            "speed_mb_s": speed,
-            "speed_measured": a.speed.is_none(),
-            "install_seconds": install_s,
-            "merge_seconds": merge_s,
-            "partitions": parts,
-        });
-        println!("{out:#}");
+        report::print(PlanReport {
+            bundle: &a.bundle,
+            bases_ok: all_ok,
+            download_bytes: download,
+            cow_bytes: cow,
+            verity_bytes: trees,
+            merge_io_bytes: merge_io,
+            speed_mb_s: speed,
+            speed_measured: a.speed.is_none(),
+            install_seconds: install_s,
+            merge_seconds: merge_s,
+            partitions: &parts,
+        })?;
     } else {
         for p in &parts {
             println!(
@@ -708,13 +693,11 @@ fn install(a: InstallArgs) -> Result<Vec<ota::install::Installed>> {
     let done = ota::install::install(&req, &mut |_, _, _| Ok(()), &Bar::new())?;
     ota::output::keep_outputs();
     if a.json {
-        let out = serde_json::json!({
-            "schema_version": crate::SCHEMA_VERSION,
-            "bundle": a.bundle,
-            "out_dir": a.out_dir,
-            "partitions": done,
-        });
-        println!("{out:#}");
+        report::print(InstallReport {
+            bundle: &a.bundle,
+            out_dir: &a.out_dir,
+            partitions: &done,
+        })?;
     } else {
         for d in &done {
             println!(
@@ -752,81 +735,90 @@ pub(crate) fn named_bases(specs: &[String]) -> Result<Vec<(String, PathBuf)>> {
 
 fn apply(a: InstallArgs) -> Result<ExitCode> {
     let key = a.key.load()?;
-    if !a.out_dir.is_dir() {
-        bail!("--out-dir {}: not a directory", a.out_dir.display());
-    }
-    let work = ota::output::temp_dir_beside(&a.out_dir.join("x"), "bundle-apply")?;
     let bases = named_bases(&a.bases)?;
     let req = ota::install::Request {
         bundle: &a.bundle,
         bases: &bases,
-        out_dir: work.path(),
+        out_dir: &a.out_dir,
         trust: trust(&key),
         threads: a.threads,
     };
-    let done = ota::install::install(&req, &mut |_, _, _| Ok(()), &Bar::new())?;
-    let mut outputs = Vec::new();
-    for d in &done {
-        let base_spec = &d.base;
-        let m = manifest::Manifest::load(&d.manifest)?;
-        let cow = cow::CowReader::open(&d.cow)?;
-        let base = File::open(base_spec)
-            .with_context(|| format!("cannot open base {}", base_spec.display()))?;
-        let view = cow::SnapshotView::new(&cow, &base, base_spec, Some(m.new.size))?;
-        let out = a.out_dir.join(format!("{}.img", d.name));
-        let tmp = ota::output::temp_beside(&out)?;
-        tmp.as_file()
-            .set_len(m.new.size)
-            .with_context(|| format!("cannot size {}", tmp.path().display()))?;
-        view.write_to(tmp.as_file(), tmp.path(), true, &|_| {})?;
-        if let Some(found) = m
-            .new
-            .first_mismatch(tmp.as_file(), tmp.path(), m.new.size, |_| true)?
-        {
-            mismatch!(
-                "partition {}: the image made from the bundle is not the new image: {found}; \
-                 nothing was written",
-                d.name
-            );
-        }
-        ota::output::part_of_output(&out, || ota::output::commit(tmp, &out))?;
-        let mut o = serde_json::json!({
-            "name": d.name,
-            "image": out,
-            "size": m.new.size,
-            "sha256": m.new.sha256,
-        });
-        if let (Some(tree), Some(root)) = (&d.verity, &d.root_hash) {
-            let dest = a.out_dir.join(format!("{}.verity", d.name));
-            std::fs::rename(tree, &dest)
-                .with_context(|| format!("rename {} to {}", tree.display(), dest.display()))?;
-            o["verity"] = serde_json::json!(dest);
-            o["root_hash"] = serde_json::json!(root);
-        }
-        outputs.push(o);
-    }
+    let outputs = ota::install::apply(&req, &Bar::new())?;
     ota::output::keep_outputs();
     if a.json {
-        let out = serde_json::json!({
-            "schema_version": crate::SCHEMA_VERSION,
-            "bundle": a.bundle,
-            "partitions": outputs,
-        });
-        println!("{out:#}");
+        report::print(ApplyReport {
+            bundle: &a.bundle,
+            partitions: &outputs,
+        })?;
     } else {
         for o in &outputs {
             println!(
                 "{}: {} ({} bytes, sha256 {}){}",
-                o["name"].as_str().unwrap_or_default(),
-                o["image"].as_str().unwrap_or_default(),
-                o["size"],
-                o["sha256"].as_str().unwrap_or_default(),
-                match (o["verity"].as_str(), o["root_hash"].as_str()) {
-                    (Some(t), Some(r)) => format!(", dm-verity tree {t}, root hash {r}"),
+                o.name,
+                o.image.display(),
+                o.size,
+                o.sha256,
+                match (&o.verity, &o.root_hash) {
+                    (Some(t), Some(r)) =>
+                        format!(", dm-verity tree {}, root hash {r}", t.display()),
                     _ => String::new(),
                 }
             );
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `vabc bundle apply --json`.
+#[derive(Serialize, schemars::JsonSchema)]
+pub(crate) struct ApplyReport<'a> {
+    bundle: &'a Path,
+    partitions: &'a [ota::install::Applied],
+}
+
+/// `vabc bundle install --json`.
+#[derive(Serialize, schemars::JsonSchema)]
+pub(crate) struct InstallReport<'a> {
+    bundle: &'a Path,
+    out_dir: &'a Path,
+    partitions: &'a [ota::install::Installed],
+}
+
+/// `vabc bundle verify --json`.
+#[derive(Serialize, schemars::JsonSchema)]
+pub(crate) struct VerifyReport<'a> {
+    bundle: &'a Path,
+    /// "verified", or "not checked" (--allow-unsigned).
+    signature: &'static str,
+    signer: Option<String>,
+    partitions: usize,
+    payload_bytes: u64,
+}
+
+/// `vabc bundle plan --json`.
+#[derive(Serialize, schemars::JsonSchema)]
+pub(crate) struct PlanReport<'a> {
+    bundle: &'a Path,
+    bases_ok: bool,
+    download_bytes: u64,
+    cow_bytes: u64,
+    verity_bytes: u64,
+    merge_io_bytes: u64,
+    speed_mb_s: f64,
+    speed_measured: bool,
+    install_seconds: f64,
+    merge_seconds: f64,
+    partitions: &'a [PlanPart],
+}
+
+/// `vabc bundle info --json`.
+#[derive(Serialize, schemars::JsonSchema)]
+pub(crate) struct InfoReport<'a> {
+    bundle: &'a Path,
+    format_version: u32,
+    signed: bool,
+    /// Whether --key checked the signature (a failed check is an error).
+    signature_checked: bool,
+    payload_bytes: u64,
+    manifest: &'a BundleManifest,
 }

@@ -20,13 +20,11 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         .with_context(|| format!("clean up after daemons recorded in {}", dir.display()))?;
     let failed = removed.iter().filter(|r| r.error.is_some()).count();
     if a.json {
-        let v = serde_json::json!({
-            "schema_version": crate::SCHEMA_VERSION,
-            "run_dir": dir,
-            "removed": removed,
-            "failed": failed,
-        });
-        println!("{}", serde_json::to_string_pretty(&v)?);
+        crate::report::print(CleanupReport {
+            run_dir: &dir,
+            removed: &removed,
+            failed,
+        })?;
     } else {
         for r in &removed {
             match &r.error {
@@ -46,4 +44,12 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// `vabc cleanup --json`.
+#[derive(serde::Serialize, schemars::JsonSchema)]
+pub(crate) struct CleanupReport<'a> {
+    run_dir: &'a std::path::Path,
+    removed: &'a [serve::leftovers::Removed],
+    failed: usize,
 }

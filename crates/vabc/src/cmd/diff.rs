@@ -132,7 +132,7 @@ fn parse_factor(s: &str) -> Result<u32, String> {
     Ok(v as u32)
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, schemars::JsonSchema)]
 struct Blocks {
     unchanged: u64,
     zero: u64,
@@ -144,7 +144,7 @@ struct Blocks {
     lone_xors: u64,
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, schemars::JsonSchema)]
 struct Bytes {
     copy: u64,
     zero: u64,
@@ -152,9 +152,8 @@ struct Bytes {
     replace: u64,
 }
 
-#[derive(Serialize)]
-struct Report {
-    schema_version: u32,
+#[derive(Serialize, schemars::JsonSchema)]
+pub(crate) struct Report {
     old: PathBuf,
     new: PathBuf,
     output: PathBuf,
@@ -183,7 +182,7 @@ struct Report {
     verity: Option<VerityReport>,
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, schemars::JsonSchema)]
 struct VerityReport {
     hashfile: PathBuf,
     uuid: String,
@@ -310,7 +309,6 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     ota::output::keep_outputs();
     let c = plan.census;
     let report = Report {
-        schema_version: crate::SCHEMA_VERSION,
         old: old_path.clone(),
         new: new_path.clone(),
         output: args.output.clone(),
@@ -351,7 +349,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         verity,
     };
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        crate::report::print(&report)?;
     } else {
         println!(
             "{}: {} bytes, {} ops (v{}, {}, {} KiB units{}) in {:.2} s",

@@ -46,7 +46,7 @@ enum Order {
     Merge,
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, schemars::JsonSchema)]
 struct OpJson {
     #[serde(rename = "type")]
     kind: OpKind,
@@ -70,9 +70,8 @@ impl From<&Op> for OpJson {
     }
 }
 
-#[derive(Serialize)]
-struct Summary<'a> {
-    schema_version: u32,
+#[derive(Serialize, schemars::JsonSchema)]
+pub(crate) struct Summary<'a> {
     file: String,
     file_size: u64,
     version: String,
@@ -101,7 +100,7 @@ struct Summary<'a> {
     ops: Option<Vec<OpJson>>,
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, schemars::JsonSchema)]
 struct VerifyJson {
     ok: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -157,7 +156,6 @@ pub fn run(a: Args) -> Result<ExitCode> {
         None
     };
     let summary = Summary {
-        schema_version: crate::SCHEMA_VERSION,
         file: a.cow.display().to_string(),
         file_size: r.file_size(),
         version: format!("{}.{}", h.major_version, h.minor_version),
@@ -186,7 +184,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
             .map(|l| l.iter().map(|o| OpJson::from(*o)).collect()),
     };
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&summary)?);
+        crate::report::print(&summary)?;
     } else {
         let mut out = std::io::BufWriter::new(std::io::stdout().lock());
         match print_text(&mut out, &summary).and_then(|()| out.flush()) {

@@ -62,18 +62,27 @@ pub fn run(a: Args) -> Result<ExitCode> {
     let out = a.output.unwrap_or_else(|| Manifest::path_for(&a.cow));
     ota::output::write_atomic(&out, m.to_json().as_bytes())?;
     if a.json {
-        let v = serde_json::json!({
-            "schema_version": crate::SCHEMA_VERSION,
-            "manifest": out,
-            "base_sha256": m.base.sha256,
-            "new_sha256": m.new.sha256,
-            "new_size": m.new.size,
-            "cow_ops": m.cow_ops,
-            "checked": !a.no_check,
-        });
-        println!("{}", serde_json::to_string_pretty(&v)?);
+        crate::report::print(ManifestReport {
+            manifest: &out,
+            base_sha256: &m.base.sha256,
+            new_sha256: &m.new.sha256,
+            new_size: m.new.size,
+            cow_ops: m.cow_ops,
+            checked: !a.no_check,
+        })?;
     } else {
         println!("{}", out.display());
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `vabc manifest --json`.
+#[derive(serde::Serialize, schemars::JsonSchema)]
+pub(crate) struct ManifestReport<'a> {
+    manifest: &'a std::path::Path,
+    base_sha256: &'a str,
+    new_sha256: &'a str,
+    new_size: u64,
+    cow_ops: u64,
+    checked: bool,
 }

@@ -195,35 +195,33 @@ pub fn run(a: Args) -> Result<ExitCode> {
         }
     }
     if a.json {
-        let v = serde_json::json!({
-            "schema_version": crate::SCHEMA_VERSION,
-            "base": a.base.display().to_string(),
-            "cow": a.cow.display().to_string(),
-            "engine": engine,
-            "total_ops": report.total_ops,
-            "started_at": report.started_at,
-            "merged": report.merged,
-            "complete": report.complete(),
-            "replayed_window": report.replayed_window,
-            "windows": report.windows,
-            "direct_windows": report.direct_windows,
-            "early_blocks": report.early_blocks,
-            "commits": report.commits,
-            "seconds": secs,
-            "check_seconds": check_seconds,
-            "base_checked": manifest.is_some(),
-            "result_proven": !progress.started() && !a.check.no_base_check,
-            "syscalls": report.io.syscalls,
-            "reads": report.io.reads,
-            "writes": report.io.writes,
-            "fsyncs": report.io.fsyncs,
-            "read_wait_seconds": report.io.read_wait.as_secs_f64(),
-            "write_wait_seconds": report.io.write_wait.as_secs_f64(),
-            "sync_wait_seconds": report.io.sync_wait.as_secs_f64(),
-            "bytes_read": report.io.bytes_read,
-            "bytes_written": report.io.bytes_written,
-        });
-        println!("{}", serde_json::to_string_pretty(&v)?);
+        crate::report::print(MergeReport {
+            base: &a.base,
+            cow: &a.cow,
+            engine,
+            total_ops: report.total_ops,
+            started_at: report.started_at,
+            merged: report.merged,
+            complete: report.complete(),
+            replayed_window: report.replayed_window,
+            windows: report.windows,
+            direct_windows: report.direct_windows,
+            early_blocks: report.early_blocks,
+            commits: report.commits,
+            seconds: secs,
+            check_seconds,
+            base_checked: manifest.is_some(),
+            result_proven: !progress.started() && !a.check.no_base_check,
+            syscalls: report.io.syscalls,
+            reads: report.io.reads,
+            writes: report.io.writes,
+            fsyncs: report.io.fsyncs,
+            read_wait_seconds: report.io.read_wait.as_secs_f64(),
+            write_wait_seconds: report.io.write_wait.as_secs_f64(),
+            sync_wait_seconds: report.io.sync_wait.as_secs_f64(),
+            bytes_read: report.io.bytes_read,
+            bytes_written: report.io.bytes_written,
+        })?;
     } else if report.started_at == report.total_ops {
         println!(
             "{}: merge already complete ({} ops)",
@@ -252,4 +250,34 @@ pub fn run(a: Args) -> Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `vabc merge --json`.
+#[derive(serde::Serialize, schemars::JsonSchema)]
+pub(crate) struct MergeReport<'a> {
+    base: &'a std::path::Path,
+    cow: &'a std::path::Path,
+    engine: &'static str,
+    total_ops: u64,
+    started_at: u64,
+    merged: u64,
+    complete: bool,
+    replayed_window: bool,
+    windows: u64,
+    direct_windows: u64,
+    early_blocks: u64,
+    commits: u64,
+    seconds: f64,
+    check_seconds: f64,
+    base_checked: bool,
+    result_proven: bool,
+    syscalls: u64,
+    reads: u64,
+    writes: u64,
+    fsyncs: u64,
+    read_wait_seconds: f64,
+    write_wait_seconds: f64,
+    sync_wait_seconds: f64,
+    bytes_read: u64,
+    bytes_written: u64,
 }

@@ -680,16 +680,16 @@ impl Frontends {
             .as_ref()
             .map(|u| u.block_path())
             .or_else(|| self.loop_dev.as_ref().map(|l| l.path().to_path_buf()));
-        let report = serde_json::json!({
-            "schema_version": crate::SCHEMA_VERSION,
-            "pid": std::process::id(),
-            "size": size,
-            "block_device": block,
-            "nbd_address": self.nbd_uri,
-            "fuse_file": self.fuse_file(),
-            "mount_target": self.stack.as_ref().map(|s| s.target().to_path_buf()),
+        let report = crate::report::Report::new(ReadyReport {
+            pid: std::process::id(),
+            size,
+            block_device: block,
+            nbd_address: self.nbd_uri.clone(),
+            fuse_file: self.fuse_file(),
+            mount_target: self.stack.as_ref().map(|s| s.target().to_path_buf()),
         });
-        ota::output::write_atomic(path, format!("{report:#}\n").as_bytes())
+        let text = serde_json::to_string_pretty(&report)?;
+        ota::output::write_atomic(path, format!("{text}\n").as_bytes())
             .with_context(|| format!("write the ready report {}", path.display()))
     }
 
@@ -1101,4 +1101,15 @@ fn open_verity(args: &Args, size: u64) -> anyhow::Result<Option<Arc<dyn engine::
         );
     }
     Ok(Some(Arc::new(check)))
+}
+
+/// `vabc serve --ready-file`: what is served, and where.
+#[derive(serde::Serialize, schemars::JsonSchema)]
+pub(crate) struct ReadyReport {
+    pid: u32,
+    size: u64,
+    block_device: Option<PathBuf>,
+    nbd_address: Option<String>,
+    fuse_file: Option<PathBuf>,
+    mount_target: Option<PathBuf>,
 }

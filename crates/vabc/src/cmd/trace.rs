@@ -14,7 +14,6 @@ use anyhow::{Context, Result, bail};
 use blocktrace::Dev;
 use blocktrace::btt::{Analysis, Breakdown, STAGES, Summary};
 use blocktrace::tracefs::{RecordOptions, Recorder};
-use serde_json::json;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -141,13 +140,15 @@ fn replay(a: ReplayArgs) -> Result<ExitCode> {
     let out = replay::replay(&items, &a.target, &opts, |n| bar.set_position(n))?;
     bar.finish();
     if a.json {
-        let v = json!({
-            "schema_version": crate::SCHEMA_VERSION,
-            "trace": a.input, "device": dev.to_string(), "target": a.target,
-            "no_sync": a.no_sync, "sequential": a.sequential, "requests": items.len(),
-            "outcome": out,
-        });
-        println!("{}", serde_json::to_string_pretty(&v)?);
+        crate::report::print(ReplayReport {
+            trace: &a.input,
+            device: dev.to_string(),
+            target: &a.target,
+            no_sync: a.no_sync,
+            sequential: a.sequential,
+            requests: items.len(),
+            outcome: out,
+        })?;
     } else {
         println!(
             "replayed {} requests of device {dev} against {}{}{}: {} reads, {} writes, {:.1} MiB, {} cache flushes, {} FUA writes{}: {:.3} s",
@@ -273,12 +274,13 @@ fn record(a: RecordArgs) -> Result<ExitCode> {
     let (files, lost) = save_recording(&dir, &name, &recording)?;
     let events = recording.merged();
     let analysis = Analysis::new(&events);
-    let facts = json!({
-        "files": files,
-        "seconds": elapsed.as_secs_f64(),
-        "events": events.len(),
-        "lost_events": lost,
-    });
+    let facts = Facts {
+        files,
+        seconds: Some(elapsed.as_secs_f64()),
+        events: events.len(),
+        lost_events: Some(lost),
+        skipped_records: None,
+    };
     print_report(&analysis, &devices, facts, a.json)?;
     Ok(code)
 }
@@ -428,24 +430,19 @@ fn report(a: ReportArgs) -> Result<ExitCode> {
     if let Some(out) = &a.perfetto {
         write_timeline(out, &[], &analysis)?;
     }
-    let facts = json!({
-        "files": stats.files,
-        "events": events.len(),
-        "skipped_records": stats.skipped,
-    });
+    let facts = Facts {
+        files: stats.files,
+        seconds: None,
+        events: events.len(),
+        lost_events: None,
+        skipped_records: Some(stats.skipped),
+    };
     print_report(&analysis, &devices, facts, a.json)?;
     Ok(ExitCode::SUCCESS)
 }
 
 fn secs(ns: f64) -> String {
     format!("{:.9}", ns / 1e9)
-}
-
-fn summary_json(s: &Summary) -> serde_json::Value {
-    json!({
-        "n": s.n, "min_ns": s.min_ns, "avg_ns": s.avg_ns, "max_ns": s.max_ns,
-        "p50_ns": s.p50_ns, "p90_ns": s.p90_ns, "p99_ns": s.p99_ns, "total_ns": s.total_ns,
-    })
 }
 
 /// Seek distances: how many, mean, median, and the share that were sequential.
@@ -479,7 +476,7 @@ fn shares(sums: &BTreeMap<&str, Summary>) -> Vec<(&'static str, f64)> {
         .collect()
 }
 
-fn print_report(a: &Analysis, only: &[Dev], facts: serde_json::Value, as_json: bool) -> Result<()> {
+fn print_report(a: &Analysis, only: &[Dev], facts: Facts, as_json: bool) -> Result<()> {
     let mut devs = Vec::new();
     let mut text = String::new();
     use std::fmt::Write as _;
@@ -501,17 +498,27 @@ fn print_report(a: &Analysis, only: &[Dev], facts: serde_json::Value, as_json: b
         };
         let share = shares(&sums);
         let secs_span = b.last_ns.saturating_sub(b.first_ns) as f64 / 1e9;
-        devs.push(json!({
-            "device": dev.to_string(),
-            "name": dev_name(*dev),
-            "direction": dir,
-            "stages": sums.iter().map(|(k, v)| (k.to_string(), summary_json(v))).collect::<serde_json::Map<_, _>>(),
-            "stage_share_of_q2c_pct": share.iter().map(|(k, v)| (k.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
-            "queued": b.queued, "issued": b.issued, "merged": b.merged, "merged_pct": merged_pct,
-            "completed": b.completed, "bytes_completed": b.bytes_completed, "seconds": secs_span,
-            "request_sectors": b.sizes.iter().map(|(k, v)| (k.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
-            "seeks": {"n": seeks, "mean_sectors": seek_mean, "median_sectors": seek_median, "sequential_pct": sequential},
-        }));
+        devs.push(DeviceReport {
+            device: dev.to_string(),
+            name: dev_name(*dev),
+            direction: dir.to_string(),
+            stages: sums.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+            stage_share_of_q2c_pct: share.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+            queued: b.queued,
+            issued: b.issued,
+            merged: b.merged,
+            merged_pct,
+            completed: b.completed,
+            bytes_completed: b.bytes_completed,
+            seconds: secs_span,
+            request_sectors: b.sizes.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+            seeks: Seeks {
+                n: seeks,
+                mean_sectors: seek_mean,
+                median_sectors: seek_median,
+                sequential_pct: sequential,
+            },
+        });
         if current != Some(*dev) {
             current = Some(*dev);
             let name = dev_name(*dev)
@@ -578,11 +585,11 @@ fn print_report(a: &Analysis, only: &[Dev], facts: serde_json::Value, as_json: b
         );
     }
     if as_json {
-        let mut out = json!({ "schema_version": crate::SCHEMA_VERSION, "unmatched_events": a.unmatched, "devices": devs });
-        if let (Some(o), Some(f)) = (out.as_object_mut(), facts.as_object()) {
-            o.extend(f.clone());
-        }
-        println!("{}", serde_json::to_string_pretty(&out)?);
+        crate::report::print(TraceReport {
+            unmatched_events: a.unmatched,
+            devices: devs,
+            facts,
+        })?;
     } else {
         let mut stdout = std::io::stdout().lock();
         if devs.is_empty() {
@@ -623,4 +630,72 @@ fn size_histogram(b: &Breakdown) -> String {
         .map(|(k, n)| format!("≤{k}K {n}"))
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+/// `vabc trace replay --json`.
+#[derive(serde::Serialize, schemars::JsonSchema)]
+pub(crate) struct ReplayReport<'a> {
+    trace: &'a Path,
+    device: String,
+    target: &'a Path,
+    no_sync: bool,
+    sequential: bool,
+    requests: usize,
+    outcome: blocktrace::replay::Outcome,
+}
+
+/// What a trace's events came from.
+#[derive(serde::Serialize, schemars::JsonSchema)]
+pub(crate) struct Facts {
+    /// The blktrace files written (record) or read (report).
+    files: Vec<PathBuf>,
+    /// How long the recording ran (record).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    seconds: Option<f64>,
+    events: usize,
+    /// Events the kernel's buffers dropped (record).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lost_events: Option<u64>,
+    /// Records of the files that were not block events (report).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    skipped_records: Option<u64>,
+}
+
+/// `vabc trace record --json` and `vabc trace report --json`: btt's breakdown per
+/// device and direction.
+#[derive(serde::Serialize, schemars::JsonSchema)]
+pub(crate) struct TraceReport {
+    unmatched_events: u64,
+    devices: Vec<DeviceReport>,
+    #[serde(flatten)]
+    facts: Facts,
+}
+
+#[derive(serde::Serialize, schemars::JsonSchema)]
+struct DeviceReport {
+    device: String,
+    name: Option<String>,
+    /// "read", "write" or "all".
+    direction: String,
+    /// Latency per stage (Q2G, G2I, I2D, D2C, Q2C, ...).
+    stages: BTreeMap<String, Summary>,
+    stage_share_of_q2c_pct: BTreeMap<String, f64>,
+    queued: u64,
+    issued: u64,
+    merged: u64,
+    merged_pct: f64,
+    completed: u64,
+    bytes_completed: u64,
+    seconds: f64,
+    /// Issued request sizes: sectors to count.
+    request_sectors: BTreeMap<String, u64>,
+    seeks: Seeks,
+}
+
+#[derive(serde::Serialize, schemars::JsonSchema)]
+struct Seeks {
+    n: u64,
+    mean_sectors: f64,
+    median_sectors: u64,
+    sequential_pct: f64,
 }

@@ -236,8 +236,9 @@ pub fn run(a: Args) -> Result<ExitCode> {
     }
 }
 
-#[derive(Serialize)]
-struct StoreReport<'a> {
+/// `vabc update init --json` and `vabc update mark-good --json`.
+#[derive(Serialize, schemars::JsonSchema)]
+pub(crate) struct StoreReport<'a> {
     store: &'a Path,
     state: &'static str,
 }
@@ -255,8 +256,9 @@ fn init(a: StoreArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-#[derive(Serialize)]
-struct InstallReport<'a> {
+/// `vabc update install --json`.
+#[derive(Serialize, schemars::JsonSchema)]
+pub(crate) struct InstallReport<'a> {
     store: &'a Path,
     #[serde(flatten)]
     done: &'a ota::device::DeviceInstall,
@@ -305,8 +307,8 @@ fn install(a: InstallArgs) -> Result<ExitCode> {
 }
 
 /// One partition's device, as `boot` prints it.
-#[derive(Serialize)]
-struct Booted {
+#[derive(Serialize, schemars::JsonSchema)]
+pub(crate) struct Booted {
     name: String,
     device: PathBuf,
     /// Served from base + COW (else the base itself).
@@ -444,13 +446,6 @@ fn boot(a: BootArgs) -> Result<ExitCode> {
         eprintln!("vabc update boot: {n}");
     }
     if a.store.json {
-        #[derive(Serialize)]
-        struct BootReport<'a> {
-            state: &'static str,
-            boot_attempts: Option<u32>,
-            note: &'a Option<String>,
-            partitions: &'a [Booted],
-        }
         report::print(BootReport {
             state: next.name(),
             boot_attempts: match &next {
@@ -785,12 +780,6 @@ fn mark_good(m: MarkGoodArgs) -> Result<ExitCode> {
 fn rollback(a: StoreArgs) -> Result<ExitCode> {
     let done = ota::device::rollback(&a.store)?;
     if a.json {
-        #[derive(Serialize)]
-        struct RollbackReport<'a> {
-            store: &'a Path,
-            state: &'static str,
-            rolled_back_from: &'static str,
-        }
         report::print(RollbackReport {
             store: &a.store,
             state: done.state,
@@ -814,12 +803,6 @@ fn rollback(a: StoreArgs) -> Result<ExitCode> {
 fn status(a: StoreArgs) -> Result<ExitCode> {
     let st = ota::device::status(&a.store)?;
     if a.json {
-        #[derive(Serialize)]
-        struct StatusReport<'a> {
-            store: &'a Path,
-            #[serde(flatten)]
-            status: &'a ota::device::Status,
-        }
         report::print(StatusReport {
             store: &a.store,
             status: &st,
@@ -844,4 +827,29 @@ fn status(a: StoreArgs) -> Result<ExitCode> {
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `vabc update boot --json`.
+#[derive(Serialize, schemars::JsonSchema)]
+pub(crate) struct BootReport<'a> {
+    state: &'static str,
+    boot_attempts: Option<u32>,
+    note: &'a Option<String>,
+    partitions: &'a [Booted],
+}
+
+/// `vabc update rollback --json`.
+#[derive(Serialize, schemars::JsonSchema)]
+pub(crate) struct RollbackReport<'a> {
+    store: &'a Path,
+    state: &'static str,
+    rolled_back_from: &'static str,
+}
+
+/// `vabc update status --json`.
+#[derive(Serialize, schemars::JsonSchema)]
+pub(crate) struct StatusReport<'a> {
+    store: &'a Path,
+    #[serde(flatten)]
+    status: &'a ota::device::Status,
 }

@@ -301,24 +301,23 @@ fn format(a: FormatArgs) -> Result<ExitCode> {
     let uuid_text = uuid.as_ref().map(verity::format_uuid).unwrap_or_default();
     let mut out = std::io::stdout().lock();
     if a.json {
-        let v = serde_json::json!({
-            "schema_version": crate::SCHEMA_VERSION,
-            "hashfile": a.hashfile.display().to_string(),
-            "uuid": uuid_text,
-            "hash_type": params.format.as_u32(),
-            "root_hash": hex::encode(&root),
-            "salt": hex::encode(&params.salt),
-            "hash_algorithm": params.algorithm.name(),
-            "data_blocks": params.data_blocks,
-            "data_block_size": params.data_block_size,
-            "hash_blocks": layout.hash_blocks,
-            "hash_block_size": params.hash_block_size,
-            "superblock": superblock,
-            "hash_offset": o.hash_offset,
-            "tree_offset": tree_off,
-            "hash_device_size": end,
-        });
-        writeln!(out, "{}", serde_json::to_string_pretty(&v)?)?;
+        drop(out);
+        crate::report::print(VerityFormatReport {
+            hashfile: &a.hashfile,
+            uuid: uuid_text,
+            hash_type: params.format.as_u32(),
+            root_hash: hex::encode(&root),
+            salt: hex::encode(&params.salt),
+            hash_algorithm: params.algorithm.name(),
+            data_blocks: params.data_blocks,
+            data_block_size: params.data_block_size,
+            hash_blocks: layout.hash_blocks,
+            hash_block_size: params.hash_block_size,
+            superblock,
+            hash_offset: o.hash_offset,
+            tree_offset: tree_off,
+            hash_device_size: end,
+        })?;
     } else {
         // Same labels, tabs and spacing as veritysetup 2.6.
         writeln!(
@@ -447,16 +446,14 @@ fn verify(a: VerifyArgs) -> Result<ExitCode> {
     match verity::verify_tree(data, &params, hash, tree_off, &root, None) {
         Ok(()) => {
             if a.json {
-                println!(
-                    "{}",
-                    serde_json::to_string_pretty(&serde_json::json!({
-                        "schema_version": crate::SCHEMA_VERSION,
-                        "verified": true,
-                        "data_blocks": params.data_blocks,
-                        "data_block_size": params.data_block_size,
-                        "root_hash": hex::encode(&root),
-                    }))?
-                );
+                crate::report::print(VerityVerifyReport {
+                    verified: true,
+                    data_blocks: Some(params.data_blocks),
+                    data_block_size: Some(params.data_block_size),
+                    root_hash: Some(hex::encode(&root)),
+                    area: None,
+                    error: None,
+                })?;
             } else {
                 println!(
                     "Verified {} data blocks of {} bytes against root hash {}",
@@ -474,19 +471,54 @@ fn verify(a: VerifyArgs) -> Result<ExitCode> {
                 "hash area"
             };
             if a.json {
-                println!(
-                    "{}",
-                    serde_json::to_string_pretty(&serde_json::json!({
-                        "schema_version": crate::SCHEMA_VERSION,
-                        "verified": false,
-                        "area": area,
-                        "error": e.to_string(),
-                    }))?
-                );
+                crate::report::print(VerityVerifyReport {
+                    verified: false,
+                    data_blocks: None,
+                    data_block_size: None,
+                    root_hash: None,
+                    area: Some(area),
+                    error: Some(e.to_string()),
+                })?;
             }
             eprintln!("vabc: Verification of {area} failed: {e}");
             Ok(ExitCode::from(crate::checks::EXIT_MISMATCH))
         }
         Err(e) => Err(e.into()),
     }
+}
+
+/// `vabc verity format --json`.
+#[derive(serde::Serialize, schemars::JsonSchema)]
+pub(crate) struct VerityFormatReport<'a> {
+    hashfile: &'a Path,
+    uuid: String,
+    hash_type: u32,
+    root_hash: String,
+    salt: String,
+    hash_algorithm: &'static str,
+    data_blocks: u64,
+    data_block_size: u32,
+    hash_blocks: u64,
+    hash_block_size: u32,
+    superblock: bool,
+    hash_offset: u64,
+    tree_offset: u64,
+    hash_device_size: u64,
+}
+
+/// `vabc verity verify --json`.
+#[derive(serde::Serialize, schemars::JsonSchema)]
+pub(crate) struct VerityVerifyReport {
+    verified: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    data_blocks: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    data_block_size: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    root_hash: Option<String>,
+    /// Where verification failed: "data area" or "hash area".
+    #[serde(skip_serializing_if = "Option::is_none")]
+    area: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<String>,
 }

@@ -31,8 +31,54 @@ pub fn verity_format(data: &Path, hash: &Path) -> serde_json::Value {
     serde_json::from_slice(&o.stdout).unwrap()
 }
 
+/// Runs vabc; a `--json` report it prints on success is validated against its
+/// documented schema (docs/schemas/), in every test that asks for one.
 pub fn run_vabc(args: &[&str]) -> std::process::Output {
-    Command::new(vabc()).args(args).output().unwrap()
+    let o = Command::new(vabc()).args(args).output().unwrap();
+    if o.status.success() && args.contains(&"--json") && !o.stdout.is_empty() {
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| {
+            panic!(
+                "{args:?}: not JSON ({e}): {}",
+                String::from_utf8_lossy(&o.stdout)
+            )
+        });
+        validate_report(&schema_name(args), &v);
+    }
+    o
+}
+
+/// The schema file (docs/schemas/NAME.json) of the report `vabc ARGS` prints: the
+/// command's words joined by `-` (`bundle-info`, `merge`).
+pub fn schema_name(args: &[&str]) -> String {
+    const GROUPS: [&str; 5] = ["avb", "bundle", "trace", "update", "verity"];
+    let mut words = args.iter().skip_while(|a| a.starts_with('-'));
+    let first = words.next().copied().unwrap_or_default();
+    match (GROUPS.contains(&first), words.next()) {
+        (true, Some(sub)) => format!("{first}-{sub}"),
+        _ => first.to_string(),
+    }
+}
+
+/// Validates a report against docs/schemas/NAME.json.
+#[allow(dead_code)] // Not every test binary reads a report file of its own.
+pub fn validate_report(name: &str, v: &serde_json::Value) {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../docs/schemas")
+        .join(format!("{name}.json"));
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("no schema {} for a report: {e}", path.display()));
+    let schema: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let validator = jsonschema::validator_for(&schema)
+        .unwrap_or_else(|e| panic!("{}: not a schema: {e}", path.display()));
+    let errors: Vec<String> = validator
+        .iter_errors(v)
+        .map(|e| format!("{e} (at {})", e.instance_path()))
+        .collect();
+    assert!(
+        errors.is_empty(),
+        "the {name} report does not follow {}: {errors:#?}\n{v:#}",
+        path.display()
+    );
 }
 
 /// AOSP's COW vectors, read in place.
