@@ -12,6 +12,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use serde::Serialize;
+use zerocopy::FromBytes;
 
 use crate::codec::{self, Codec};
 use crate::error::{CowError, Result, format_err, io_err};
@@ -130,6 +131,19 @@ impl<'a> MetaReader<'a> {
         }
         let s = (offset - self.buf_start) as usize;
         Ok(&self.buf[s..s + len])
+    }
+
+    /// The wire struct `T` at `offset`, checked as [`MetaReader::read`] checks.
+    fn read_wire<T: FromBytes>(&mut self, offset: u64, what: &str) -> Result<T> {
+        let path = self.path;
+        let b = self.read(offset, size_of::<T>(), what)?;
+        T::read_from_bytes(b).map_err(|_| {
+            format_err(
+                path,
+                offset,
+                format!("{what} is not {} bytes", size_of::<T>()),
+            )
+        })
     }
 }
 
@@ -466,7 +480,7 @@ impl CowReader {
                     ),
                 });
             }
-            let r = RecordV2::decode(meta.read(rec_off, rec as usize, "op record")?);
+            let r = RecordV2::from(&meta.read_wire::<WireOpV2>(rec_off, "op record")?);
             let next_inline = rec_off + rec;
             if n > 0 {
                 tail.slots_used += 1;
@@ -557,8 +571,14 @@ impl CowReader {
                     }
                     check48(r.source, "sequence offset")?;
                     let data = meta.read(r.source, len, "sequence data")?;
-                    self.sequence
-                        .extend(data.chunks_exact(4).map(|c| le_u32(c, 0)));
+                    let entries = sequence_from_wire(data).ok_or_else(|| {
+                        format_err(
+                            &path,
+                            r.source,
+                            format!("sequence data of {len} bytes is not whole entries"),
+                        )
+                    })?;
+                    self.sequence.extend(entries);
                     self.advance_data(&mut tail, u64::from(r.data_length));
                 }
                 t => {
@@ -712,7 +732,14 @@ impl CowReader {
         // Sequence buffer.
         if seq_bytes > 0 {
             let data = meta.read(seq_start, seq_bytes as usize, "sequence buffer")?;
-            self.sequence = data.chunks_exact(4).map(|c| le_u32(c, 0)).collect();
+            let entries = sequence_from_wire(data).ok_or_else(|| {
+                format_err(
+                    &path,
+                    seq_start,
+                    format!("sequence buffer of {seq_bytes} bytes is not whole entries"),
+                )
+            })?;
+            self.sequence = entries.collect();
         }
 
         // Resume points: AOSP never clamps the count, so a reader must.
@@ -720,12 +747,14 @@ impl CowReader {
         let mut points = Vec::with_capacity(n_points);
         if n_points > 0 {
             let data = meta.read(resume_start, n_points * RESUME_POINT_SIZE, "resume buffer")?;
-            for c in data.chunks_exact(RESUME_POINT_SIZE) {
-                points.push(ResumePoint {
-                    label: le_u64(c, 0),
-                    op_index: le_u64(c, 8),
-                });
-            }
+            let wire = <[WireResumePoint]>::ref_from_bytes(data).map_err(|_| {
+                format_err(
+                    &path,
+                    resume_start,
+                    format!("resume buffer of {} bytes is not whole points", data.len()),
+                )
+            })?;
+            points.extend(wire.iter().map(ResumePoint::from));
         }
         let mut op_count = h.op_count;
         if let Some(l) = label {
@@ -770,7 +799,7 @@ impl CowReader {
         let mut cursor = data_start;
         for i in 0..op_count {
             let off = op_start + i * u64::from(OP_SIZE_V3);
-            let r = RecordV3::decode(meta.read(off, OP_SIZE_V3 as usize, "op record")?);
+            let r = RecordV3::from(&meta.read_wire::<WireOpV3>(off, "op record")?);
             let op = self.v3_op(&r, off, max_exp, &mut cursor)?;
             self.ops.push(op);
         }
@@ -891,7 +920,8 @@ pub(crate) fn read_header(file: &File, path: &Path, file_size: u64) -> Result<He
     let mut raw = [0u8; HEADER_SIZE_V3 as usize];
     file.read_exact_at(&mut raw[..PREFIX_SIZE], 0)
         .map_err(io_err(path, "read header", 0))?;
-    let magic = le_u64(&raw, 0);
+    let prefix: &WireHeader = zerocopy::transmute_ref!(&raw);
+    let (magic, header_size) = (prefix.magic.get(), prefix.header_size.get());
     if magic != COW_MAGIC {
         return Err(format_err(
             path,
@@ -899,7 +929,6 @@ pub(crate) fn read_header(file: &File, path: &Path, file_size: u64) -> Result<He
             format!("bad magic {magic:#018x}: not a COW file (expected {COW_MAGIC:#018x})"),
         ));
     }
-    let header_size = le_u16(&raw, 12);
     if header_size > HEADER_SIZE_V3 || usize::from(header_size) < PREFIX_SIZE {
         return Err(format_err(
             path,

@@ -16,6 +16,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use rayon::prelude::*;
+use zerocopy::IntoBytes;
 
 use crate::codec::{Codec, Compression, Encoder};
 use crate::error::{CowError, Result, io_err};
@@ -427,7 +428,7 @@ impl CowWriter {
                     ));
                 }
                 for chunk in new_blocks.chunks(SEQUENCE_ENTRIES_PER_OP) {
-                    let data: Vec<u8> = chunk.iter().flat_map(|b| b.to_le_bytes()).collect();
+                    let data = sequence_to_wire(chunk);
                     self.push_v2(op_type::SEQUENCE, 0, 0, 0, Some(&data))?;
                 }
             }
@@ -892,15 +893,17 @@ impl CowWriter {
         };
         let footer_at = s.cluster_start + s.records.len() as u64;
         let mut tail = std::mem::take(&mut s.records);
-        RecordV2 {
-            op_type: op_type::FOOTER,
-            compression: 0,
-            data_length: FOOTER_TRAILER as u16,
-            new_block: s.records_total * rec_size,
-            source: s.records_total,
-        }
-        .encode_into(&mut tail);
-        tail.resize(tail.len() + FOOTER_TRAILER, 0);
+        let footer = WireFooterV2 {
+            op: WireOpV2::from(&RecordV2 {
+                op_type: op_type::FOOTER,
+                compression: 0,
+                data_length: FOOTER_TRAILER as u16,
+                new_block: s.records_total * rec_size,
+                source: s.records_total,
+            }),
+            unused: [0; FOOTER_TRAILER],
+        };
+        tail.extend_from_slice(footer.as_bytes());
         let start = s.cluster_start;
         let end = start + tail.len() as u64;
         debug_assert_eq!(footer_at + FOOTER_SIZE_V2 as u64, end);
@@ -930,7 +933,7 @@ impl CowWriter {
         s.data_cursor = s.data_start;
         s.pending_data_start = s.data_start;
         s.layout_fixed = true;
-        let mut region: Vec<u8> = self.sequence.iter().flat_map(|b| b.to_le_bytes()).collect();
+        let mut region = sequence_to_wire(&self.sequence);
         region.resize(
             region.len() + RESUME_POINT_SIZE * RESUME_POINT_MAX as usize,
             0,
@@ -964,18 +967,16 @@ impl CowWriter {
         let State::V3(s) = &self.state else {
             return Ok(());
         };
-        let mut points = Vec::with_capacity(RESUME_POINT_SIZE * RESUME_POINT_MAX as usize);
-        for p in &s.resume_points {
-            points.extend_from_slice(&p.label.to_le_bytes());
-            points.extend_from_slice(&p.op_index.to_le_bytes());
+        let mut points = vec![WireResumePoint::default(); RESUME_POINT_MAX as usize];
+        for (slot, p) in points.iter_mut().zip(&s.resume_points) {
+            *slot = WireResumePoint::from(p);
         }
-        points.resize(RESUME_POINT_SIZE * RESUME_POINT_MAX as usize, 0);
         let resume_at = s.resume_start;
         // Stored clamped: AOSP's own count grows without bound, but its
         // readers accept the clamped value.
         self.header.resume_point_count = s.resume_points.len() as u32;
         self.header.op_count = s.op_count;
-        self.write_at(&points, resume_at)?;
+        self.write_at(points.as_bytes(), resume_at)?;
         self.write_at(&self.header.encode(), 0)?;
         self.sync()
     }

@@ -52,6 +52,7 @@
 mod outbox;
 mod slots;
 mod tls;
+mod wire;
 
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -65,6 +66,8 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use engine::{BlockDevice, HUGE_PAGE, ReadaheadOptions};
+use zerocopy::big_endian::{U16, U32, U64};
+use zerocopy::{FromBytes, FromZeros, IntoBytes};
 
 use crate::workers::Workers;
 use crate::{DevReadahead, Result, ServeError, io_err, read_then, readahead_for};
@@ -72,6 +75,10 @@ use outbox::Outbox;
 use slots::{Limits, Slots, Watch};
 use tls::TlsStream;
 pub use tls::{TlsConfig, tls_config};
+use wire::{
+    BlockDescriptor, ErrorPayload, ExportNameReply, Greeting, InfoBlockSize, InfoExport,
+    OptionReply, OptionRequest, Request, SimpleReply, StructuredReply,
+};
 
 const NBDMAGIC: u64 = 0x4e42_444d_4147_4943; // "NBDMAGIC"
 const IHAVEOPT: u64 = 0x4948_4156_454F_5054; // "IHAVEOPT"
@@ -343,32 +350,36 @@ struct Conn {
 impl Conn {
     /// A simple reply.
     fn reply(&self, cookie: u64, error: u32, data: &[u8], charge: u64) {
-        let mut hdr = [0u8; 16];
-        hdr[0..4].copy_from_slice(&SIMPLE_REPLY_MAGIC.to_be_bytes());
-        hdr[4..8].copy_from_slice(&error.to_be_bytes());
-        hdr[8..16].copy_from_slice(&cookie.to_be_bytes());
-        self.out.send(&[&hdr, data], charge);
+        let hdr = SimpleReply {
+            magic: U32::new(SIMPLE_REPLY_MAGIC),
+            error: U32::new(error),
+            cookie: U64::new(cookie),
+        };
+        self.out.send(&[hdr.as_bytes(), data], charge);
     }
 
     /// The one (final) chunk of a structured reply, of payload `a` then `b`.
     fn chunk(&self, cookie: u64, kind: u16, a: &[u8], b: &[u8], charge: u64) {
         let len = a.len() + b.len();
-        let mut hdr = [0u8; 20];
-        hdr[0..4].copy_from_slice(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
-        hdr[4..6].copy_from_slice(&REPLY_FLAG_DONE.to_be_bytes());
-        hdr[6..8].copy_from_slice(&kind.to_be_bytes());
-        hdr[8..16].copy_from_slice(&cookie.to_be_bytes());
-        // Payloads are at most MAX_REQUEST plus a header, or MAX_DESCRIPTORS * 8.
-        hdr[16..20].copy_from_slice(&(len as u32).to_be_bytes());
-        self.out.send(&[&hdr, a, b], charge);
+        let hdr = StructuredReply {
+            magic: U32::new(STRUCTURED_REPLY_MAGIC),
+            flags: U16::new(REPLY_FLAG_DONE),
+            kind: U16::new(kind),
+            cookie: U64::new(cookie),
+            // Payloads are at most MAX_REQUEST plus a header, or MAX_DESCRIPTORS * 8.
+            length: U32::new(len as u32),
+        };
+        self.out.send(&[hdr.as_bytes(), a, b], charge);
     }
 
     /// An error, structured if the client asked for structured replies.
     fn error(&self, cookie: u64, error: u32, charge: u64) {
         if self.structured {
-            let mut p = [0u8; 6];
-            p[0..4].copy_from_slice(&error.to_be_bytes());
-            self.chunk(cookie, REPLY_TYPE_ERROR, &p, &[], charge);
+            let p = ErrorPayload {
+                error: U32::new(error),
+                message_length: U16::new(0),
+            };
+            self.chunk(cookie, REPLY_TYPE_ERROR, p.as_bytes(), &[], charge);
         } else {
             self.reply(cookie, error, &[], charge);
         }
@@ -382,7 +393,7 @@ impl Conn {
             (true, 0) => self.chunk(
                 cookie,
                 REPLY_TYPE_OFFSET_DATA,
-                &offset.to_be_bytes(),
+                U64::new(offset).as_bytes(),
                 data,
                 charge,
             ),
@@ -748,15 +759,11 @@ impl Drop for NbdHandle {
     }
 }
 
-fn read_u32(r: &mut impl Read) -> io::Result<u32> {
-    let mut b = [0u8; 4];
-    r.read_exact(&mut b)?;
-    Ok(u32::from_be_bytes(b))
-}
-fn read_u64(r: &mut impl Read) -> io::Result<u64> {
-    let mut b = [0u8; 8];
-    r.read_exact(&mut b)?;
-    Ok(u64::from_be_bytes(b))
+/// Reads one wire struct or value.
+fn read_wire<T: FromBytes + IntoBytes>(r: &mut impl Read) -> io::Result<T> {
+    let mut t = T::new_zeroed();
+    r.read_exact(t.as_mut_bytes())?;
+    Ok(t)
 }
 
 fn protocol(msg: String) -> io::Error {
@@ -764,11 +771,14 @@ fn protocol(msg: String) -> io::Error {
 }
 
 fn option_reply(w: &mut impl Write, opt: u32, kind: u32, data: &[u8]) -> io::Result<()> {
-    let mut m = Vec::with_capacity(20 + data.len());
-    m.extend_from_slice(&OPT_REPLY_MAGIC.to_be_bytes());
-    m.extend_from_slice(&opt.to_be_bytes());
-    m.extend_from_slice(&kind.to_be_bytes());
-    m.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    let hdr = OptionReply {
+        magic: U64::new(OPT_REPLY_MAGIC),
+        option: U32::new(opt),
+        reply_type: U32::new(kind),
+        length: U32::new(data.len() as u32),
+    };
+    let mut m = Vec::with_capacity(size_of::<OptionReply>() + data.len());
+    m.extend_from_slice(hdr.as_bytes());
     m.extend_from_slice(data);
     w.write_all(&m)
 }
@@ -794,7 +804,8 @@ enum Negotiated {
 /// The export name and the queries of a LIST/SET_META_CONTEXT request, if well formed.
 fn parse_meta_request(data: &[u8]) -> Option<(&[u8], Vec<&[u8]>)> {
     let u32_at = |at: usize| -> Option<usize> {
-        Some(u32::from_be_bytes(data.get(at..at.checked_add(4)?)?.try_into().ok()?) as usize)
+        let (v, _) = U32::read_from_prefix(data.get(at..)?).ok()?;
+        Some(v.get() as usize)
     };
     let nlen = u32_at(0)?;
     let name = data.get(4..4usize.checked_add(nlen)?)?;
@@ -826,7 +837,7 @@ fn take_slot(sh: &Shared, watch: &Watch) -> bool {
 
 fn handshake(sh: &Shared, s: &mut Stream, watch: &Watch) -> io::Result<Negotiated> {
     s.write_all(&greeting())?;
-    let cflags = read_u32(s)?;
+    let cflags = read_wire::<U32>(s)?.get();
     if cflags & !(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES) != 0 {
         return Err(protocol(format!("unknown client flags {cflags:#x}")));
     }
@@ -838,12 +849,17 @@ fn handshake(sh: &Shared, s: &mut Stream, watch: &Watch) -> io::Result<Negotiate
     // encrypted: not even the export's size.
     let mut need_tls = sh.opts.tls.is_some();
     loop {
-        let magic = read_u64(s)?;
+        // The magic is checked before the rest is waited for: a client speaking
+        // something else is dropped at once.
+        let mut req = OptionRequest::new_zeroed();
+        let rest = std::mem::offset_of!(OptionRequest, option);
+        s.read_exact(&mut req.as_mut_bytes()[..rest])?;
+        let magic = req.magic.get();
         if magic != IHAVEOPT {
             return Err(protocol(format!("bad option magic {magic:#x}")));
         }
-        let opt = read_u32(s)?;
-        let len = read_u32(s)?;
+        s.read_exact(&mut req.as_mut_bytes()[rest..])?;
+        let (opt, len) = (req.option.get(), req.length.get());
         if len > MAX_OPTION_LEN {
             return Err(protocol(format!("option {opt} of {len} bytes is too long")));
         }
@@ -893,9 +909,12 @@ fn handshake(sh: &Shared, s: &mut Stream, watch: &Watch) -> io::Result<Negotiate
                 if !take_slot(sh, watch) {
                     return Ok(Negotiated::Closed);
                 }
-                let mut m = Vec::with_capacity(10 + 124);
-                m.extend_from_slice(&size.to_be_bytes());
-                m.extend_from_slice(&transmission_flags().to_be_bytes());
+                let reply = ExportNameReply {
+                    size: U64::new(size),
+                    transmission_flags: U16::new(transmission_flags()),
+                };
+                let mut m = Vec::with_capacity(size_of::<ExportNameReply>() + 124);
+                m.extend_from_slice(reply.as_bytes());
                 if !no_zeroes {
                     m.extend_from_slice(&[0u8; 124]);
                 }
@@ -913,18 +932,19 @@ fn handshake(sh: &Shared, s: &mut Stream, watch: &Watch) -> io::Result<Negotiate
                 }
                 let name = sh.opts.export_name.as_bytes();
                 let mut d = Vec::with_capacity(4 + name.len());
-                d.extend_from_slice(&(name.len() as u32).to_be_bytes());
+                d.extend_from_slice(U32::new(name.len() as u32).as_bytes());
                 d.extend_from_slice(name);
                 option_reply(s, opt, REP_SERVER, &d)?;
                 option_reply(s, opt, REP_ACK, &[])?;
             }
             OPT_INFO | OPT_GO => {
+                // Name length, name, count of info types, the info types.
                 let parsed = (|| {
-                    let nlen = u32::from_be_bytes(data.get(0..4)?.try_into().ok()?) as usize;
-                    let name = data.get(4..4 + nlen)?;
-                    let n =
-                        u16::from_be_bytes(data.get(4 + nlen..6 + nlen)?.try_into().ok()?) as usize;
-                    (data.len() == 6 + nlen + 2 * n).then_some(name)
+                    let (nlen, rest) = U32::read_from_prefix(&data).ok()?;
+                    let nlen = nlen.get() as usize;
+                    let name = rest.get(..nlen)?;
+                    let (n, infos) = U16::read_from_prefix(rest.get(nlen..)?).ok()?;
+                    (infos.len() == 2 * usize::from(n.get())).then_some(name)
                 })();
                 let Some(name) = parsed else {
                     option_reply(s, opt, REP_ERR_INVALID, b"malformed INFO/GO request")?;
@@ -937,17 +957,19 @@ fn handshake(sh: &Shared, s: &mut Stream, watch: &Watch) -> io::Result<Negotiate
                 if opt == OPT_GO && !take_slot(sh, watch) {
                     return Ok(Negotiated::Closed);
                 }
-                let mut export = Vec::with_capacity(12);
-                export.extend_from_slice(&INFO_EXPORT.to_be_bytes());
-                export.extend_from_slice(&size.to_be_bytes());
-                export.extend_from_slice(&transmission_flags().to_be_bytes());
-                option_reply(s, opt, REP_INFO, &export)?;
-                let mut bs = Vec::with_capacity(14);
-                bs.extend_from_slice(&INFO_BLOCK_SIZE.to_be_bytes());
-                bs.extend_from_slice(&1u32.to_be_bytes());
-                bs.extend_from_slice(&PREFERRED_BLOCK.to_be_bytes());
-                bs.extend_from_slice(&MAX_REQUEST.to_be_bytes());
-                option_reply(s, opt, REP_INFO, &bs)?;
+                let export = InfoExport {
+                    info_type: U16::new(INFO_EXPORT),
+                    size: U64::new(size),
+                    transmission_flags: U16::new(transmission_flags()),
+                };
+                option_reply(s, opt, REP_INFO, export.as_bytes())?;
+                let bs = InfoBlockSize {
+                    info_type: U16::new(INFO_BLOCK_SIZE),
+                    minimum: U32::new(1),
+                    preferred: U32::new(PREFERRED_BLOCK),
+                    maximum: U32::new(MAX_REQUEST),
+                };
+                option_reply(s, opt, REP_INFO, bs.as_bytes())?;
                 option_reply(s, opt, REP_ACK, &[])?;
                 if opt == OPT_GO {
                     return Ok(Negotiated::Transmit(session));
@@ -991,7 +1013,7 @@ fn handshake(sh: &Shared, s: &mut Stream, watch: &Watch) -> io::Result<Negotiate
                 };
                 if chosen {
                     let mut d = Vec::with_capacity(4 + BASE_ALLOCATION.len());
-                    d.extend_from_slice(&BASE_ALLOCATION_ID.to_be_bytes());
+                    d.extend_from_slice(U32::new(BASE_ALLOCATION_ID).as_bytes());
                     d.extend_from_slice(BASE_ALLOCATION);
                     option_reply(s, opt, REP_META_CONTEXT, &d)?;
                 }
@@ -1044,14 +1066,14 @@ fn transmission(
     session: Session,
 ) -> io::Result<bool> {
     let size = sh.dev.size();
-    let mut hdr = [0u8; 28];
+    let mut hdr = Request::new_zeroed();
     let mut sink = vec![0u8; 64 << 10];
     loop {
         let mut incoming = Incoming {
             s: &mut *s,
             out: &conn.out,
         };
-        if let Err(e) = incoming.read_exact(&mut hdr) {
+        if let Err(e) = incoming.read_exact(hdr.as_mut_bytes()) {
             // EOF without DISC is how many clients hang up; not worth an error, nor is
             // the end of a connection the server closed.
             return if e.kind() == io::ErrorKind::UnexpectedEof || conn.out.abandoned() {
@@ -1060,15 +1082,12 @@ fn transmission(
                 Err(e)
             };
         }
-        let magic = u32::from_be_bytes([hdr[0], hdr[1], hdr[2], hdr[3]]);
+        let magic = hdr.magic.get();
         if magic != REQUEST_MAGIC {
             return Err(protocol(format!("bad request magic {magic:#x}")));
         }
-        let flags = u16::from_be_bytes([hdr[4], hdr[5]]);
-        let kind = u16::from_be_bytes([hdr[6], hdr[7]]);
-        let cookie = u64::from_be_bytes(hdr[8..16].try_into().unwrap_or_default());
-        let offset = u64::from_be_bytes(hdr[16..24].try_into().unwrap_or_default());
-        let len = u32::from_be_bytes([hdr[24], hdr[25], hdr[26], hdr[27]]);
+        let (flags, kind, cookie) = (hdr.flags.get(), hdr.kind.get(), hdr.cookie.get());
+        let (offset, len) = (hdr.offset.get(), hdr.length.get());
         let in_range = offset
             .checked_add(u64::from(len))
             .is_some_and(|e| e <= size);
@@ -1158,17 +1177,20 @@ fn block_status(
     } else {
         MAX_DESCRIPTORS
     };
-    let mut p = Vec::with_capacity(4 + 8 * runs.len().min(most));
-    p.extend_from_slice(&BASE_ALLOCATION_ID.to_be_bytes());
-    for r in runs.iter().take(most) {
-        // A run lies inside the request, whose length is a u32.
-        p.extend_from_slice(&(r.len as u32).to_be_bytes());
-        let state = if r.zero { STATE_HOLE | STATE_ZERO } else { 0 };
-        p.extend_from_slice(&state.to_be_bytes());
-    }
-    let charge = p.len() as u64 + REPLY_COST;
+    let context = U32::new(BASE_ALLOCATION_ID);
+    let descriptors: Vec<BlockDescriptor> = runs
+        .iter()
+        .take(most)
+        .map(|r| BlockDescriptor {
+            // A run lies inside the request, whose length is a u32.
+            length: U32::new(r.len as u32),
+            status_flags: U32::new(if r.zero { STATE_HOLE | STATE_ZERO } else { 0 }),
+        })
+        .collect();
+    let (a, b) = (context.as_bytes(), descriptors.as_bytes());
+    let charge = (a.len() + b.len()) as u64 + REPLY_COST;
     conn.out.reserve(charge);
-    conn.chunk(cookie, REPLY_TYPE_BLOCK_STATUS, &p, &[], charge);
+    conn.chunk(cookie, REPLY_TYPE_BLOCK_STATUS, a, b, charge);
 }
 
 /// The body of the NBD fuzz target (see [`crate::fuzzing`]): the server side of
@@ -1233,11 +1255,11 @@ pub(crate) fn exercise_connection(input: &[u8]) -> Vec<u8> {
 
 /// The server's greeting: every connection starts with it.
 pub(crate) fn greeting() -> [u8; 18] {
-    let mut g = [0u8; 18];
-    g[..8].copy_from_slice(&NBDMAGIC.to_be_bytes());
-    g[8..16].copy_from_slice(&IHAVEOPT.to_be_bytes());
-    g[16..].copy_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
-    g
+    zerocopy::transmute!(Greeting {
+        nbd_magic: U64::new(NBDMAGIC),
+        ihaveopt: U64::new(IHAVEOPT),
+        handshake_flags: U16::new(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES),
+    })
 }
 
 #[cfg(test)]
@@ -1515,6 +1537,11 @@ mod tests {
     }
 
     use super::*;
+
+    #[test]
+    fn greeting_is_fixed_newstyle_without_zeroes() {
+        assert_eq!(&greeting(), b"NBDMAGICIHAVEOPT\x00\x03");
+    }
 
     #[test]
     fn parses_addresses() {

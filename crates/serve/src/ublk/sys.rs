@@ -2,8 +2,11 @@
 //! uses, written out by hand so the build needs neither kernel headers nor bindgen.
 //!
 //! The structs travel as byte arrays in the io_uring command area or through a user
-//! buffer; they are encoded field by field (native endianness, C layout, no padding
-//! holes in any of them), which keeps this file free of `unsafe`.
+//! buffer. Each has a `#[repr(C)]` twin in the kernel's layout (native endianness,
+//! reserved fields spelled out) whose zerocopy derives prove it has no padding and takes
+//! any bytes, so converting to and from the arrays needs no `unsafe`.
+
+use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
 
 /// Control device; one `/dev/ublkcN` character device and one `/dev/ublkbN` block device
 /// appear per added device.
@@ -89,6 +92,102 @@ pub fn desc_mmap_len(depth: u16, page_size: usize) -> usize {
     (depth as usize * IO_DESC_SIZE).next_multiple_of(page_size)
 }
 
+/// `struct ublksrv_ctrl_cmd` as the kernel lays it out.
+#[derive(Clone, Copy, Debug, Default, FromBytes, IntoBytes, KnownLayout, Immutable)]
+#[repr(C)]
+struct RawCtrlCmd {
+    dev_id: u32,
+    queue_id: u16,
+    len: u16,
+    addr: u64,
+    data: u64,
+    /// Only for unprivileged devices.
+    dev_path_len: u16,
+    pad: u16,
+    reserved: u32,
+}
+
+/// `struct ublksrv_ctrl_dev_info` as the kernel lays it out.
+#[derive(Clone, Copy, Debug, Default, FromBytes, IntoBytes, KnownLayout, Immutable)]
+#[repr(C)]
+struct RawDevInfo {
+    nr_hw_queues: u16,
+    queue_depth: u16,
+    state: u16,
+    pad0: u16,
+    max_io_buf_bytes: u32,
+    dev_id: u32,
+    ublksrv_pid: i32,
+    pad1: u32,
+    flags: u64,
+    /// The daemon's own; the driver neither reads nor writes it.
+    ublksrv_flags: u64,
+    owner_uid: u32,
+    owner_gid: u32,
+    reserved1: u64,
+    reserved2: u64,
+}
+
+/// `struct ublk_param_basic`.
+#[derive(Clone, Copy, Debug, Default, FromBytes, IntoBytes, KnownLayout, Immutable)]
+#[repr(C)]
+struct RawParamBasic {
+    attrs: u32,
+    logical_bs_shift: u8,
+    physical_bs_shift: u8,
+    io_opt_shift: u8,
+    io_min_shift: u8,
+    max_sectors: u32,
+    chunk_sectors: u32,
+    dev_sectors: u64,
+    virt_boundary_mask: u64,
+}
+
+/// `struct ublk_param_discard`, left zero: discards are not offered.
+#[derive(Clone, Copy, Debug, Default, FromBytes, IntoBytes, KnownLayout, Immutable)]
+#[repr(C)]
+struct RawParamDiscard {
+    discard_alignment: u32,
+    discard_granularity: u32,
+    max_discard_sectors: u32,
+    max_write_zeroes_sectors: u32,
+    max_discard_segments: u16,
+    reserved0: u16,
+}
+
+/// `struct ublk_params` up to its discard part ([`PARAMS_SIZE`]). Packed because C
+/// would round its size up to 64 for the alignment of `basic`, while `len` is 60 and
+/// the driver reads no further.
+#[derive(Clone, Copy, Debug, Default, FromBytes, IntoBytes, KnownLayout, Immutable)]
+#[repr(C, packed)]
+struct RawParams {
+    len: u32,
+    types: u32,
+    basic: RawParamBasic,
+    discard: RawParamDiscard,
+}
+
+/// `struct ublksrv_io_desc`.
+#[derive(Clone, Copy, Debug, Default, FromBytes, IntoBytes, KnownLayout, Immutable)]
+#[repr(C)]
+struct RawIoDesc {
+    op_flags: u32,
+    nr_sectors: u32,
+    start_sector: u64,
+    addr: u64,
+}
+
+// The kernel's sizes: a struct that drifts from them does not build.
+const _: () = {
+    assert!(size_of::<RawCtrlCmd>() == CTRL_CMD_SIZE);
+    assert!(size_of::<IoCmd>() == IO_CMD_SIZE);
+    assert!(size_of::<RawIoDesc>() == IO_DESC_SIZE);
+    assert!(size_of::<RawDevInfo>() == DEV_INFO_SIZE);
+    assert!(size_of::<RawParamBasic>() == 32);
+    assert!(size_of::<RawParamDiscard>() == 20);
+    assert!(size_of::<RawParams>() == PARAMS_SIZE);
+};
+
 /// `struct ublksrv_ctrl_cmd`, sent in the SQE's command area.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CtrlCmd {
@@ -103,19 +202,25 @@ pub struct CtrlCmd {
 impl CtrlCmd {
     /// The 80-byte `IORING_OP_URING_CMD` payload of a 128-byte SQE.
     pub fn to_sqe_cmd(self) -> [u8; 80] {
+        let raw = RawCtrlCmd {
+            dev_id: self.dev_id,
+            queue_id: self.queue_id,
+            len: self.len,
+            addr: self.addr,
+            data: self.data,
+            ..RawCtrlCmd::default()
+        };
         let mut b = [0u8; 80];
-        b[0..4].copy_from_slice(&self.dev_id.to_ne_bytes());
-        b[4..6].copy_from_slice(&self.queue_id.to_ne_bytes());
-        b[6..8].copy_from_slice(&self.len.to_ne_bytes());
-        b[8..16].copy_from_slice(&self.addr.to_ne_bytes());
-        b[16..24].copy_from_slice(&self.data.to_ne_bytes());
-        // dev_path_len, pad, reserved: zero (only for unprivileged devices).
+        b[..CTRL_CMD_SIZE].copy_from_slice(raw.as_bytes());
         b
     }
 }
 
-/// `struct ublksrv_io_cmd`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// `struct ublksrv_io_cmd`, in the kernel's layout.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, FromBytes, IntoBytes, KnownLayout, Immutable,
+)]
+#[repr(C)]
 pub struct IoCmd {
     pub q_id: u16,
     pub tag: u16,
@@ -125,12 +230,7 @@ pub struct IoCmd {
 
 impl IoCmd {
     pub fn to_bytes(self) -> [u8; IO_CMD_SIZE] {
-        let mut b = [0u8; IO_CMD_SIZE];
-        b[0..2].copy_from_slice(&self.q_id.to_ne_bytes());
-        b[2..4].copy_from_slice(&self.tag.to_ne_bytes());
-        b[4..8].copy_from_slice(&self.result.to_ne_bytes());
-        b[8..16].copy_from_slice(&self.addr.to_ne_bytes());
-        b
+        zerocopy::transmute!(self)
     }
 }
 
@@ -148,30 +248,28 @@ pub struct DevInfo {
 
 impl DevInfo {
     pub fn to_bytes(self) -> [u8; DEV_INFO_SIZE] {
-        let mut b = [0u8; DEV_INFO_SIZE];
-        b[0..2].copy_from_slice(&self.nr_hw_queues.to_ne_bytes());
-        b[2..4].copy_from_slice(&self.queue_depth.to_ne_bytes());
-        b[4..6].copy_from_slice(&self.state.to_ne_bytes());
-        b[8..12].copy_from_slice(&self.max_io_buf_bytes.to_ne_bytes());
-        b[12..16].copy_from_slice(&self.dev_id.to_ne_bytes());
-        b[16..20].copy_from_slice(&self.ublksrv_pid.to_ne_bytes());
-        b[24..32].copy_from_slice(&self.flags.to_ne_bytes());
-        b
+        zerocopy::transmute!(RawDevInfo {
+            nr_hw_queues: self.nr_hw_queues,
+            queue_depth: self.queue_depth,
+            state: self.state,
+            max_io_buf_bytes: self.max_io_buf_bytes,
+            dev_id: self.dev_id,
+            ublksrv_pid: self.ublksrv_pid,
+            flags: self.flags,
+            ..RawDevInfo::default()
+        })
     }
 
     pub fn from_bytes(b: &[u8; DEV_INFO_SIZE]) -> DevInfo {
-        let u16_at = |o: usize| u16::from_ne_bytes([b[o], b[o + 1]]);
-        let u32_at = |o: usize| u32::from_ne_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
-        let mut flags = [0u8; 8];
-        flags.copy_from_slice(&b[24..32]);
+        let raw: RawDevInfo = zerocopy::transmute!(*b);
         DevInfo {
-            nr_hw_queues: u16_at(0),
-            queue_depth: u16_at(2),
-            state: u16_at(4),
-            max_io_buf_bytes: u32_at(8),
-            dev_id: u32_at(12),
-            ublksrv_pid: u32_at(16) as i32,
-            flags: u64::from_ne_bytes(flags),
+            nr_hw_queues: raw.nr_hw_queues,
+            queue_depth: raw.queue_depth,
+            state: raw.state,
+            max_io_buf_bytes: raw.max_io_buf_bytes,
+            dev_id: raw.dev_id,
+            ublksrv_pid: raw.ublksrv_pid,
+            flags: raw.flags,
         }
     }
 }
@@ -192,31 +290,30 @@ pub struct ParamsBasic {
 
 impl ParamsBasic {
     pub fn to_params_bytes(self) -> [u8; PARAMS_SIZE] {
-        let mut b = [0u8; PARAMS_SIZE];
-        b[0..4].copy_from_slice(&(PARAMS_SIZE as u32).to_ne_bytes());
-        b[4..8].copy_from_slice(&PARAM_TYPE_BASIC.to_ne_bytes());
-        let p = &mut b[8..40];
-        p[0..4].copy_from_slice(&self.attrs.to_ne_bytes());
-        p[4] = self.logical_bs_shift;
-        p[5] = self.physical_bs_shift;
-        p[6] = self.io_opt_shift;
-        p[7] = self.io_min_shift;
-        p[8..12].copy_from_slice(&self.max_sectors.to_ne_bytes());
-        p[12..16].copy_from_slice(&self.chunk_sectors.to_ne_bytes());
-        p[16..24].copy_from_slice(&self.dev_sectors.to_ne_bytes());
-        p[24..32].copy_from_slice(&self.virt_boundary_mask.to_ne_bytes());
-        b
+        zerocopy::transmute!(RawParams {
+            len: PARAMS_SIZE as u32,
+            types: PARAM_TYPE_BASIC,
+            basic: RawParamBasic {
+                attrs: self.attrs,
+                logical_bs_shift: self.logical_bs_shift,
+                physical_bs_shift: self.physical_bs_shift,
+                io_opt_shift: self.io_opt_shift,
+                io_min_shift: self.io_min_shift,
+                max_sectors: self.max_sectors,
+                chunk_sectors: self.chunk_sectors,
+                dev_sectors: self.dev_sectors,
+                virt_boundary_mask: self.virt_boundary_mask,
+            },
+            discard: RawParamDiscard::default(),
+        })
     }
 }
 
 /// Decodes one `struct ublksrv_io_desc` (`op_flags`, `nr_sectors`, `start_sector`,
 /// `addr`; `addr` is ours, given at fetch time, and not needed back).
 pub fn parse_io_desc(b: &[u8; IO_DESC_SIZE]) -> (u32, u32, u64) {
-    let op_flags = u32::from_ne_bytes([b[0], b[1], b[2], b[3]]);
-    let nr_sectors = u32::from_ne_bytes([b[4], b[5], b[6], b[7]]);
-    let mut s = [0u8; 8];
-    s.copy_from_slice(&b[8..16]);
-    (op_flags, nr_sectors, u64::from_ne_bytes(s))
+    let d: RawIoDesc = zerocopy::transmute!(*b);
+    (d.op_flags, d.nr_sectors, d.start_sector)
 }
 
 #[cfg(test)]
@@ -244,6 +341,93 @@ mod tests {
         assert_eq!(desc_mmap_offset(1, 65536), 131072);
         assert_eq!(desc_mmap_len(64, 4096), 4096);
         assert_eq!(desc_mmap_len(171, 4096), 8192);
+    }
+
+    #[test]
+    fn raw_structs_have_the_kernel_layout() {
+        use std::mem::offset_of;
+        assert_eq!(size_of::<RawCtrlCmd>(), 32);
+        assert_eq!(offset_of!(RawCtrlCmd, data), 16);
+        assert_eq!(offset_of!(RawCtrlCmd, dev_path_len), 24);
+        assert_eq!(size_of::<IoCmd>(), 16);
+        assert_eq!(offset_of!(IoCmd, addr), 8);
+        assert_eq!(size_of::<RawDevInfo>(), 64);
+        assert_eq!(offset_of!(RawDevInfo, max_io_buf_bytes), 8);
+        assert_eq!(offset_of!(RawDevInfo, flags), 24);
+        assert_eq!(offset_of!(RawDevInfo, owner_uid), 40);
+        assert_eq!(size_of::<RawParams>(), 60);
+        assert_eq!(offset_of!(RawParams, basic), 8);
+        assert_eq!(offset_of!(RawParams, discard), 40);
+        assert_eq!(offset_of!(RawParamBasic, dev_sectors), 16);
+        assert_eq!(size_of::<RawIoDesc>(), 24);
+        assert_eq!(offset_of!(RawIoDesc, start_sector), 8);
+    }
+
+    /// Bytes laid out field by field as the kernel header has them decode to the
+    /// fields and encode back to the same bytes.
+    #[test]
+    fn kernel_bytes_round_trip() {
+        let mut info = [0u8; DEV_INFO_SIZE];
+        info[0..2].copy_from_slice(&4u16.to_ne_bytes());
+        info[2..4].copy_from_slice(&128u16.to_ne_bytes());
+        info[4..6].copy_from_slice(&1u16.to_ne_bytes());
+        info[8..12].copy_from_slice(&(512u32 << 10).to_ne_bytes());
+        info[12..16].copy_from_slice(&3u32.to_ne_bytes());
+        info[16..20].copy_from_slice(&(-1i32).to_ne_bytes());
+        info[24..32].copy_from_slice(&F_CMD_IOCTL_ENCODE.to_ne_bytes());
+        let d = DevInfo::from_bytes(&info);
+        assert_eq!(
+            (
+                d.nr_hw_queues,
+                d.queue_depth,
+                d.state,
+                d.dev_id,
+                d.ublksrv_pid
+            ),
+            (4, 128, 1, 3, -1)
+        );
+        assert_eq!(
+            (d.max_io_buf_bytes, d.flags),
+            (512 << 10, F_CMD_IOCTL_ENCODE)
+        );
+        assert_eq!(d.to_bytes(), info);
+
+        let mut io = [0u8; IO_CMD_SIZE];
+        io[0..2].copy_from_slice(&2u16.to_ne_bytes());
+        io[2..4].copy_from_slice(&77u16.to_ne_bytes());
+        io[4..8].copy_from_slice(&(-11i32).to_ne_bytes());
+        io[8..16].copy_from_slice(&0x7f00_1234_5000u64.to_ne_bytes());
+        let cmd = IoCmd::read_from_bytes(&io).unwrap();
+        assert_eq!((cmd.q_id, cmd.tag, cmd.result), (2, 77, -11));
+        assert_eq!(cmd.addr, 0x7f00_1234_5000);
+        assert_eq!(cmd.to_bytes(), io);
+
+        let mut desc = [0u8; IO_DESC_SIZE];
+        desc[0..4].copy_from_slice(&u32::from(IO_OP_FLUSH).to_ne_bytes());
+        desc[4..8].copy_from_slice(&0u32.to_ne_bytes());
+        desc[8..16].copy_from_slice(&123_456u64.to_ne_bytes());
+        desc[16..24].copy_from_slice(&0x7f00_1234_5000u64.to_ne_bytes());
+        assert_eq!(parse_io_desc(&desc), (u32::from(IO_OP_FLUSH), 0, 123_456));
+        let raw: RawIoDesc = zerocopy::transmute!(desc);
+        assert_eq!(raw.addr, 0x7f00_1234_5000);
+        assert_eq!(raw.as_bytes(), desc);
+
+        let params = ParamsBasic {
+            attrs: 0,
+            logical_bs_shift: 9,
+            physical_bs_shift: 12,
+            io_opt_shift: 12,
+            io_min_shift: 9,
+            max_sectors: 1024,
+            chunk_sectors: 0,
+            dev_sectors: 1 << 21,
+            virt_boundary_mask: 0,
+        }
+        .to_params_bytes();
+        let raw = RawParams::read_from_bytes(&params).unwrap();
+        let basic = raw.basic;
+        assert_eq!((basic.logical_bs_shift, basic.dev_sectors), (9, 1 << 21));
+        assert_eq!(raw.as_bytes(), params);
     }
 
     #[test]
