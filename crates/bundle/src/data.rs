@@ -755,15 +755,9 @@ mod tests {
     use delta::{MemImage, NoProgress, PlanOptions};
 
     /// Bytes that do not repeat (so that a match is where the test put it).
-    fn noise(n: usize, mut seed: u64) -> Vec<u8> {
-        (0..n)
-            .map(|_| {
-                seed = seed
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                (seed >> 56) as u8
-            })
-            .collect()
+    fn noise(n: usize, seed: u64) -> Vec<u8> {
+        let mut rng = fastrand::Rng::with_seed(seed);
+        (0..n).map(|_| rng.u8(..)).collect()
     }
 
     fn choose(old: Vec<u8>, new: Vec<u8>) -> FrameParams {
