@@ -26,6 +26,10 @@ scripts/install-deps.sh
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo test --workspace --locked
+# The application library as a publisher gets it: its documentation without a
+# warning, and every library crate packaged (cargo package's metadata checks).
+RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --locked -p vabc-ota
+cargo package --workspace --exclude vabc --no-verify --locked
 # The README's first command, with the binary just tested (its release build is the
 # one step left out; the static build below covers a second build profile).
 DEMO_DIR=$(mktemp -d "${TMPDIR:-/tmp}/vabc-demo.XXXXXX")

@@ -43,7 +43,8 @@
 # ratios. Every round runs the sync baseline too, so that each speedup
 # compares runs minutes apart at most.
 #
-# Usage: [CODEC=lz4] [DIFF_ARGS=...] [ROUNDS=3] [STEAL_MAX=5] bench/merge.sh [-p "medium system"] [-c CORPUS_DIR] [-w WORKDIR]
+# Usage: [CODEC=lz4] [DIFF_ARGS=...] [ROUNDS=3] [STEAL_MAX=5] [VABC=/path/to/vabc] bench/merge.sh [-p "medium system"] [-c CORPUS_DIR] [-w WORKDIR]
+# VABC runs another binary (an older build, to compare) and skips the build.
 # Needs (Debian): fio; the corpus is built with ../shared/corpus/make-corpus.sh.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -66,8 +67,10 @@ while getopts "p:c:w:" opt; do
 	esac
 done
 command -v fio >/dev/null || { echo "missing fio (apt-get install fio)" >&2; exit 1; }
-(cd "$ROOT" && cargo build --release -q -p vabc)
-VABC=${CARGO_TARGET_DIR:-$ROOT/target}/release/vabc
+if [ -z "${VABC:-}" ]; then
+	(cd "$ROOT" && cargo build --release -q -p vabc)
+	VABC=${CARGO_TARGET_DIR:-$ROOT/target}/release/vabc
+fi
 mkdir -p "$WORK"
 # Cold data, warm program: on a device the merge runs in a resident daemon,
 # so reading the vabc binary back from disk is not part of it (on the medium
@@ -156,7 +159,7 @@ for pair in $PAIRS; do
 			drop
 			c0=$(cpu_ticks)
 			t0=$(now)
-			"$VABC" merge --base "$WORK/base.img" --cow "$WORK/merge.cow" "${args[@]}" --json >"$WORK/report.json"
+			"$VABC" merge --base "$WORK/base.img" --cow "$WORK/merge.cow" --manifest "$WORK/$pair.cow.manifest" "${args[@]}" --json >"$WORK/report.json"
 			t1=$(now)
 			steal=$(echo "$c0 $(cpu_ticks)" | awk '{d = $4 - $2; printf "%.0f", (d > 0 ? 100 * ($3 - $1) / d : 0)}')
 			cmp "$WORK/base.img" "$CORPUS/$pair/new.ext4.img" || { echo "MISMATCH $pair $engine" >&2; exit 1; }
