@@ -16,8 +16,8 @@
 # writes ending in fsync). The sources are where the new content comes
 # from: the base blocks COPY and XOR ops read, and the COW's payloads (XOR
 # and REPLACE data), which no merge can skip reading; "vs base-only limit"
-# leaves the payloads out, as this bench did before 2026-11-24's
-# thirteenth session, so that older ratios stay comparable. "MB written"
+# leaves the payloads out, as this bench's first version did, so that older
+# ratios (bench/results/merge.md) stay comparable. "MB written"
 # counts the scratch-area copies the crash protocol makes (every COPY/XOR
 # block is written twice); the limit does not. The protocol floor adds
 # one measured write+fdatasync latency per sync the run made: the scratch

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Serving the new image of an update before merging, measured against two anchors in
-# the same run (notes/serving.md explains the stacks):
+# the same run (docs/05-serving.md explains the stacks):
 #   loop-raw  a loop device (direct I/O) on the raw new.img: the limit of this machine
 #   vabc      vabc serve --fuse (base + COW) + loop device (direct I/O), default
 #             options: FUSE over io_uring, for which the bench turns the kernel switch
@@ -68,7 +68,7 @@ fi
 # makes a smaller COW that costs more CPU per served XOR/REPLACE block).
 CODEC=${CODEC:-lz4}
 # DIFF_ARGS: more `vabc diff` options, e.g. --no-xor (a larger COW without the XOR ops'
-# scattered two-block base reads; see RESULTS, seventeenth session).
+# scattered two-block base reads; see bench/results/serve.md).
 DIFF_ARGS=${DIFF_ARGS:-}
 COW=$WORK/$PAIR.${CODEC//:/-}$(printf '%s' "$DIFF_ARGS" | tr -c 'a-zA-Z0-9=\n' '_').cow
 # shellcheck disable=SC2086 # DIFF_ARGS is a list of options (as in bench/merge.sh)

@@ -5,7 +5,7 @@
 # Both tools get the same salt and parameters (sha256, 4096/4096, superblock,
 # fixed UUID) and must print the same root hash and write identical hash files;
 # the run fails otherwise. Each tool runs RUNS times, alternating, with the data
-# in the page cache (warm, like the anchor in shared/notes/images.md Part 3).
+# in the page cache (warm, as the anchor was measured: docs/06-verifying.md).
 # Wall time is reported as median and best; the ratio is veritysetup's median
 # over ours (target: >= 1.5).
 #

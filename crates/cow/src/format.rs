@@ -1,12 +1,12 @@
 //! On-disk structures of the AOSP COW format, versions 1 to 3.
 //!
-//! Everything is little-endian and packed. The layouts follow `cow_format.h`
-//! in AOSP's libsnapshot; see `shared/spec/aosp-cow.md` §2 for the field-by-field
-//! description. Each fixed layout is a `Wire*` struct whose zerocopy derives
-//! prove that every byte pattern is a value and that it has alignment 1 and no
-//! padding, so decoding is a copy that cannot fail or read out of place; the
-//! version-independent types ([`Header`], [`RecordV2`], ...) are what the rest
-//! of the crate checks and uses.
+//! Everything is little-endian and packed. The layouts follow `cow_format.h` in
+//! AOSP's libsnapshot; docs/02-cow-format.md says where AOSP defines each field and
+//! what the code's "spec §N" comments refer to. Each fixed layout is a `Wire*`
+//! struct whose zerocopy derives prove that every byte pattern is a value and that
+//! it has alignment 1 and no padding, so decoding is a copy that cannot fail or
+//! read out of place; the version-independent types ([`Header`], [`RecordV2`], ...)
+//! are what the rest of the crate checks and uses.
 
 use serde::Serialize;
 use zerocopy::little_endian::{U16, U32, U64};

@@ -2,7 +2,7 @@
 //! snapshot view (base + COW).
 //!
 //! The format is Android's, byte for byte (versions 1, 2 and 3, see
-//! `shared/spec/aosp-cow.md`): a COW written by update_engine reads here and
+//! docs/02-cow-format.md): a COW written by update_engine reads here and
 //! a COW written here reads on a device.
 //!
 //! - [`mod@format`]: on-disk structures and constants.

@@ -194,3 +194,58 @@ impl SyncIo {
         Ok(())
     }
 }
+
+/// Which [`MergeIo`] a merge uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Engine {
+    /// io_uring where this process may use it (a sysctl or a container's seccomp
+    /// filter can forbid it), else [`SyncIo`].
+    #[default]
+    Auto,
+    /// [`crate::UringIo`].
+    Uring,
+    /// [`SyncIo`].
+    Sync,
+}
+
+/// The merge's I/O for `engine` on the opened base and COW, and the engine's name
+/// ("uring" or "sync"). `Auto` falls back to the sync engine when io_uring is
+/// unavailable, with a warning; the uring engine moves aligned transfers with
+/// `O_DIRECT` unless `buffered`.
+pub fn open(
+    engine: Engine,
+    base: File,
+    cow: File,
+    queue_depth: u32,
+    buffered: bool,
+) -> std::io::Result<(Box<dyn MergeIo + Send>, &'static str)> {
+    let uring = match engine {
+        Engine::Uring => true,
+        Engine::Sync => false,
+        Engine::Auto => match engine::io_uring_usable() {
+            Ok(()) => true,
+            Err(e) => {
+                log::warn!(
+                    "vabc: io_uring is unavailable to this process ({e}); merging with the \
+                     sync engine (one read, write and fsync per op: much slower)"
+                );
+                false
+            }
+        },
+    };
+    if !uring {
+        return Ok((Box::new(SyncIo::new(base, cow)), "sync"));
+    }
+    fn context(what: &'static str) -> impl Fn(std::io::Error) -> std::io::Error {
+        move |e| std::io::Error::new(e.kind(), format!("{what}: {e}"))
+    }
+    let io =
+        crate::UringIo::new(base, cow, queue_depth).map_err(context("cannot set up io_uring"))?;
+    if buffered {
+        return Ok((Box::new(io), "uring"));
+    }
+    let io = io
+        .with_direct()
+        .map_err(context("cannot open the base or COW with O_DIRECT"))?;
+    Ok((Box::new(io), "uring"))
+}

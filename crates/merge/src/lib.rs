@@ -24,7 +24,7 @@ pub mod uring;
 pub mod view;
 
 pub use error::{MergeError, Result};
-pub use io::{Dev, IoStats, MergeIo, SyncIo};
+pub use io::{Dev, Engine, IoStats, MergeIo, SyncIo};
 pub use merger::{BlockCheck, Merge, MergeOptions, MergeReport};
 pub use progress::Progress;
 pub use status::MergeStatus;

@@ -1,7 +1,8 @@
-//! Making an update bundle on the host: per partition, the plan of the new image
-//! against the old one, the data stream the device replays it from, and the COW the
-//! device will write, whose hash (with the images' identities and the release) the
-//! signed manifest fixes.
+//! Making updates on the host. A bundle ([`create`]): per partition, the plan of the
+//! new image against the old one, the data stream the device replays it from, and
+//! the COW the device will write, whose hash (with the images' identities and the
+//! release) the signed manifest fixes. A COW update ([`cow_update`]): the COW itself,
+//! with its manifest sidecar and, if asked, the new image's dm-verity tree.
 
 use std::fs::File;
 use std::io::{Read, Write};
@@ -314,24 +315,18 @@ fn image_manifest(
     new_path: &Path,
     cow_ops: u64,
 ) -> Result<manifest::Manifest> {
-    let id = |img: &ImageFile, path: &Path, size: u64, region_size: u64| {
-        let read = |off: u64, buf: &mut [u8]| {
-            BlockImage::read_exact_at(img, buf, off).map_err(std::io::Error::other)
-        };
-        manifest::ImageId::compute_in(&read, path, size, region_size)
-    };
     // The per-op hashes (16 hex digits per op: 2 MB on the `system` pair) are not
     // shipped: the device computes them from the COW it wrote, whose sha256 the
     // manifest fixes.
     let mut image = manifest::Manifest {
         schema_version: manifest::SCHEMA_VERSION,
-        base: id(
+        base: image_id(
             old,
             old_path,
             plan.old_size,
             bundle_region_size(plan.old_size),
         )?,
-        new: id(new, new_path, plan.new_size, manifest::REGION_SIZE)?,
+        new: image_id(new, new_path, plan.new_size, manifest::REGION_SIZE)?,
         cow_ops,
         merged_op_hashes: None,
     };
@@ -368,4 +363,137 @@ fn bundle_region_size(size: u64) -> u64 {
     (size.div_ceil(16))
         .next_power_of_two()
         .max(manifest::REGION_SIZE)
+}
+
+/// How [`cow_update`] makes a COW update (what `vabc diff` does).
+#[derive(Debug, Clone)]
+pub struct CowUpdateOptions {
+    /// The COW's version, codec, unit and order.
+    pub cow: CowOptions,
+    /// How ops are chosen.
+    pub plan: PlanOptions,
+    /// Pad a last partial block of either image with zeros.
+    pub pad: bool,
+    /// Also write the new image's dm-verity tree to this file, with this salt (hex,
+    /// `-` for none; `None`: 32 random bytes).
+    pub verity: Option<(PathBuf, Option<String>)>,
+}
+
+/// What [`cow_update`] wrote.
+#[derive(Debug)]
+pub struct CowUpdate {
+    /// The plan the COW was written from (its census says what each block became).
+    pub plan: delta::Plan,
+    /// The COW writer's report.
+    pub written: delta::write::WriteReport,
+    /// The manifest sidecar: the base the update needs and the image it makes.
+    pub manifest: manifest::Manifest,
+    /// Where the sidecar was written (`COW.manifest`).
+    pub manifest_path: PathBuf,
+    /// The dm-verity tree, if asked for, and where it was written.
+    pub tree: Option<(PathBuf, crate::trees::Formatted)>,
+    /// The new image's bytes on disk (a sparse image holds fewer).
+    pub new_physical_size: u64,
+    /// Seconds spent planning.
+    pub plan_seconds: f64,
+}
+
+/// Writes the COW that turns `old_path` into `new_path` at `output`, its manifest
+/// sidecar and, if asked, the new image's dm-verity tree. The three are one output:
+/// an error or an interrupt before the last is written removes those written already
+/// ([`crate::output::part_of_output`]).
+pub fn cow_update(
+    old_path: &Path,
+    new_path: &Path,
+    output: &Path,
+    opts: &CowUpdateOptions,
+    observer: &dyn Observer,
+) -> Result<CowUpdate> {
+    for input in [old_path, new_path] {
+        if same_file(input, output) {
+            invalid!(
+                "output {} is the same file as input {}",
+                output.display(),
+                input.display()
+            );
+        }
+    }
+    crate::output::check_dest(output, "-o")?;
+    let t0 = std::time::Instant::now();
+    let old = ImageFile::open(old_path, opts.pad)?;
+    let new = ImageFile::open(new_path, opts.pad)?;
+    let phases = Phases(observer);
+    let plan = delta::plan(&old, &new, &opts.plan, &phases)?;
+    let plan_seconds = t0.elapsed().as_secs_f64();
+    let written = crate::output::part_of_output(output, || {
+        write_cow(&plan, &old, &new, output, &opts.cow, &phases)
+            .with_context(|| format!("writing {}", output.display()))
+    })?;
+    // The COW writer's temporary file was created 0600; give the COW the mode any new
+    // file gets.
+    crate::output::set_default_mode(output)?;
+    // What the update is for: the base it needs and the image it makes, checked by
+    // apply, merge and serve before they read a base through this COW.
+    let cow =
+        cow::CowReader::open(output).with_context(|| format!("read back {}", output.display()))?;
+    let new_read = |off: u64, buf: &mut [u8]| {
+        BlockImage::read_exact_at(&new, buf, off).map_err(std::io::Error::other)
+    };
+    let manifest = manifest::Manifest {
+        schema_version: manifest::SCHEMA_VERSION,
+        base: image_id(&old, old_path, plan.old_size, manifest::REGION_SIZE)?,
+        new: image_id(&new, new_path, plan.new_size, manifest::REGION_SIZE)?,
+        cow_ops: cow.ops().len() as u64,
+        merged_op_hashes: Some(crate::trust::op_hashes(&cow, &new_read, new_path)?),
+    };
+    let manifest_path = manifest::Manifest::path_for(output);
+    crate::output::part_of_output(&manifest_path, || {
+        crate::output::write_atomic(&manifest_path, manifest.to_json().as_bytes())
+    })?;
+    let tree = match &opts.verity {
+        Some((hashfile, salt)) => {
+            let f = crate::output::part_of_output(hashfile, || {
+                crate::trees::format_default(new_path, hashfile, salt.as_deref())
+                    .with_context(|| format!("verity tree of {}", new_path.display()))
+            })?;
+            Some((hashfile.clone(), f))
+        }
+        None => None,
+    };
+    Ok(CowUpdate {
+        new_physical_size: new.physical_size(),
+        plan,
+        written,
+        manifest,
+        manifest_path,
+        tree,
+        plan_seconds,
+    })
+}
+
+/// Whether two paths name the same file.
+fn same_file(a: &Path, b: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (std::fs::metadata(a), std::fs::metadata(b)) {
+        (Ok(x), Ok(y)) => x.dev() == y.dev() && x.ino() == y.ino(),
+        _ => false,
+    }
+}
+
+/// An image's identity (size, sha256, hashes of `region_size` regions).
+fn image_id(
+    img: &ImageFile,
+    path: &Path,
+    size: u64,
+    region_size: u64,
+) -> Result<manifest::ImageId> {
+    let read = |off: u64, buf: &mut [u8]| {
+        BlockImage::read_exact_at(img, buf, off).map_err(std::io::Error::other)
+    };
+    Ok(manifest::ImageId::compute_in(
+        &read,
+        path,
+        size,
+        region_size,
+    )?)
 }

@@ -109,7 +109,7 @@ pub fn schemas() -> Vec<(&'static str, serde_json::Value)> {
         ),
         (
             "verity-format",
-            schema_for!(Report<verity::VerityFormatReport<'static>>),
+            schema_for!(Report<verity::VerityFormatReport>),
         ),
         (
             "verity-verify",

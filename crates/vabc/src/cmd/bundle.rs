@@ -266,6 +266,23 @@ struct InstallArgs {
     json: bool,
 }
 
+impl InstallArgs {
+    /// What `install` and `apply` ask of the library.
+    fn request<'a>(
+        &'a self,
+        bases: &'a [(String, PathBuf)],
+        key: &'a Option<PublicKey>,
+    ) -> ota::install::Request<'a> {
+        ota::install::Request {
+            bundle: &self.bundle,
+            bases,
+            out_dir: &self.out_dir,
+            trust: trust(key),
+            threads: self.threads,
+        }
+    }
+}
+
 pub fn run(a: Args) -> Result<ExitCode> {
     match a.cmd {
         Sub::Create(a) => create(a),
@@ -683,14 +700,7 @@ fn install(a: InstallArgs) -> Result<Vec<ota::install::Installed>> {
         })?;
     }
     let bases = named_bases(&a.bases)?;
-    let req = ota::install::Request {
-        bundle: &a.bundle,
-        bases: &bases,
-        out_dir: &a.out_dir,
-        trust: trust(&key),
-        threads: a.threads,
-    };
-    let done = ota::install::install(&req, &mut |_, _, _| Ok(()), &Bar::new())?;
+    let done = ota::install::install(&a.request(&bases, &key), &mut |_, _, _| Ok(()), &Bar::new())?;
     ota::output::keep_outputs();
     if a.json {
         report::print(InstallReport {
@@ -736,14 +746,7 @@ pub(crate) fn named_bases(specs: &[String]) -> Result<Vec<(String, PathBuf)>> {
 fn apply(a: InstallArgs) -> Result<ExitCode> {
     let key = a.key.load()?;
     let bases = named_bases(&a.bases)?;
-    let req = ota::install::Request {
-        bundle: &a.bundle,
-        bases: &bases,
-        out_dir: &a.out_dir,
-        trust: trust(&key),
-        threads: a.threads,
-    };
-    let outputs = ota::install::apply(&req, &Bar::new())?;
+    let outputs = ota::install::apply(&a.request(&bases, &key), &Bar::new())?;
     ota::output::keep_outputs();
     if a.json {
         report::print(ApplyReport {

@@ -1,15 +1,14 @@
 //! `vabc diff OLD NEW -o UPDATE.cow`: make the COW that turns OLD into NEW.
 
-use std::os::unix::fs::MetadataExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::{Context, bail};
 use clap::ValueEnum;
 use cow::Compression;
-use delta::write::{CowOptions, write_cow};
-use delta::{ImageFile, PlanOptions};
+use delta::PlanOptions;
+use delta::write::CowOptions;
 use serde::Serialize;
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -114,14 +113,6 @@ pub struct Args {
     pub verity_salt: Option<String>,
 }
 
-/// Whether two paths name the same existing file (device and inode).
-fn same_file(a: &Path, b: &Path) -> bool {
-    match (std::fs::metadata(a), std::fs::metadata(b)) {
-        (Ok(x), Ok(y)) => x.dev() == y.dev() && x.ino() == y.ino(),
-        _ => false,
-    }
-}
-
 fn parse_factor(s: &str) -> Result<u32, String> {
     let v = crate::args::parse_size(s)?;
     if !(4096..=262_144).contains(&v) || !v.is_power_of_two() {
@@ -179,20 +170,7 @@ pub(crate) struct Report {
     write_seconds: f64,
     seconds: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
-    verity: Option<VerityReport>,
-}
-
-#[derive(Serialize, schemars::JsonSchema)]
-struct VerityReport {
-    hashfile: PathBuf,
-    uuid: String,
-    root_hash: String,
-    salt: String,
-    hash_algorithm: &'static str,
-    data_blocks: u64,
-    data_block_size: u32,
-    hash_blocks: u64,
-    hash_block_size: u32,
+    verity: Option<super::verity::TreeReport>,
 }
 
 /// The unit REPLACE data is compressed in: v2 has no multi-block units.
@@ -217,96 +195,50 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     ) else {
         bail!("diff needs OLD (or --base) and NEW (or --new)");
     };
-    for input in [old_path, new_path] {
-        if same_file(input, &args.output) {
-            bail!(
-                "output {} is the same file as input {}",
-                args.output.display(),
-                input.display()
-            );
-        }
-    }
-    ota::output::check_dest(&args.output, "-o")?;
-    let old = ImageFile::open(old_path, args.pad)?;
-    let new = ImageFile::open(new_path, args.pad)?;
-    let bar = crate::progress::Bar::new();
-    let bar = ota::progress::Phases(&bar);
-    let popts = PlanOptions {
-        xor: !args.no_xor,
-        threads: args.threads,
-        far_xor_blocks: args.far_xor_blocks,
-        min_xor_run: args.min_xor_run,
-        ..PlanOptions::for_codec(compression.codec)
+    let opts = ota::create::CowUpdateOptions {
+        cow: CowOptions {
+            version,
+            compression,
+            compression_factor: args.compression_factor,
+            threads: args.threads,
+            block_order: args.block_order,
+        },
+        plan: PlanOptions {
+            xor: !args.no_xor,
+            threads: args.threads,
+            far_xor_blocks: args.far_xor_blocks,
+            min_xor_run: args.min_xor_run,
+            ..PlanOptions::for_codec(compression.codec)
+        },
+        pad: args.pad,
+        verity: args.verity.then(|| {
+            let hashfile = args.verity_hash_out.clone().unwrap_or_else(|| {
+                let mut p = args.output.clone().into_os_string();
+                p.push(".verity");
+                PathBuf::from(p)
+            });
+            (hashfile, args.verity_salt.clone())
+        }),
     };
-    let plan = delta::plan(&old, &new, &popts, &bar)?;
-    let plan_seconds = t0.elapsed().as_secs_f64();
-    let copts = CowOptions {
-        version,
-        compression,
-        compression_factor: args.compression_factor,
-        threads: args.threads,
-        block_order: args.block_order,
-    };
-    // The COW, its manifest and tree are one output: an interrupt or an error before
-    // the last is written removes those written already.
-    let w = ota::output::part_of_output(&args.output, || {
-        write_cow(&plan, &old, &new, &args.output, &copts, &bar)
-            .with_context(|| format!("writing {}", args.output.display()))
-    })?;
-    // The COW writer's temporary file was created 0600; give the COW the mode any new
-    // file gets.
-    ota::output::set_default_mode(&args.output)?;
-    // What the update is for: the base it needs and the image it makes, checked by
-    // apply, merge and serve before they read a base through this COW.
-    let manifest_path = manifest::Manifest::path_for(&args.output);
-    let id = |img: &ImageFile, path: &Path, size: u64| {
-        let read = |off: u64, buf: &mut [u8]| {
-            delta::BlockImage::read_exact_at(img, buf, off).map_err(std::io::Error::other)
-        };
-        manifest::ImageId::compute(&read, path, size)
-    };
-    let new_read = |off: u64, buf: &mut [u8]| {
-        delta::BlockImage::read_exact_at(&new, buf, off).map_err(std::io::Error::other)
-    };
-    let written = cow::CowReader::open(&args.output)
-        .with_context(|| format!("read back {}", args.output.display()))?;
-    let m = manifest::Manifest {
-        schema_version: manifest::SCHEMA_VERSION,
-        base: id(&old, old_path, plan.old_size)?,
-        new: id(&new, new_path, plan.new_size)?,
-        cow_ops: written.ops().len() as u64,
-        merged_op_hashes: Some(ota::trust::op_hashes(&written, &new_read, new_path)?),
-    };
-    ota::output::part_of_output(&manifest_path, || {
-        ota::output::write_atomic(&manifest_path, m.to_json().as_bytes())
-    })?;
-    let verity = if args.verity {
-        let hashfile = args.verity_hash_out.clone().unwrap_or_else(|| {
-            let mut p = args.output.clone().into_os_string();
-            p.push(".verity");
-            PathBuf::from(p)
-        });
-        let f = ota::output::part_of_output(&hashfile, || {
-            ota::trees::format_default(new_path, &hashfile, args.verity_salt.as_deref())
-                .map_err(anyhow::Error::from)
-                .with_context(|| format!("verity tree of {}", new_path.display()))
-        })?;
-        Some(VerityReport {
-            hashfile,
-            uuid: verity::format_uuid(&f.uuid),
-            root_hash: hex::encode(&f.root),
-            salt: hex::encode(&f.params.salt),
-            hash_algorithm: f.params.algorithm.name(),
-            data_blocks: f.params.data_blocks,
-            data_block_size: f.params.data_block_size,
-            hash_blocks: f.hash_blocks,
-            hash_block_size: f.params.hash_block_size,
-        })
-    } else {
-        None
-    };
+    let u = ota::create::cow_update(
+        old_path,
+        new_path,
+        &args.output,
+        &opts,
+        &crate::progress::Bar::new(),
+    )?;
     // Complete: the outputs stay.
     ota::output::keep_outputs();
+    let (plan, w, m) = (&u.plan, &u.written, &u.manifest);
+    let verity = u.tree.as_ref().map(|(hashfile, f)| {
+        super::verity::TreeReport::new(
+            hashfile.clone(),
+            verity::format_uuid(&f.uuid),
+            &f.params,
+            &f.root,
+            f.hash_blocks,
+        )
+    });
     let c = plan.census;
     let report = Report {
         old: old_path.clone(),
@@ -314,7 +246,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         output: args.output.clone(),
         old_size: plan.old_size,
         new_size: plan.new_size,
-        new_physical_size: new.physical_size(),
+        new_physical_size: u.new_physical_size,
         format: version,
         compression: compression.to_string(),
         compression_factor: effective_factor(version, args.compression_factor),
@@ -339,11 +271,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         ops: w.ops,
         replace_ops: w.replace_ops,
         cow_size: w.cow_size,
-        manifest: manifest_path,
+        manifest: u.manifest_path.clone(),
         base_sha256: m.base.sha256.clone(),
         new_sha256: m.new.sha256.clone(),
         index_bytes: plan.index_bytes,
-        plan_seconds,
+        plan_seconds: u.plan_seconds,
         write_seconds: w.seconds,
         seconds: t0.elapsed().as_secs_f64(),
         verity,

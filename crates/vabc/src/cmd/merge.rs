@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use cow::CowReader;
-use merge::{Merge, MergeIo, MergeOptions, SyncIo, UringIo};
+use merge::{Merge, MergeOptions};
 
 use crate::progress;
 
@@ -75,40 +75,14 @@ pub(crate) enum EngineKind {
     Sync,
 }
 
-/// The merge's I/O for `kind` on the opened base and COW, and the engine's name. `auto`
-/// falls back to the sync engine, saying so on stderr, when io_uring is unavailable.
-pub(crate) fn merge_io(
-    kind: EngineKind,
-    base: std::fs::File,
-    cow: std::fs::File,
-    queue_depth: u32,
-    buffered: bool,
-) -> Result<(Box<dyn MergeIo + Send>, &'static str)> {
-    let uring = match kind {
-        EngineKind::Uring => true,
-        EngineKind::Sync => false,
-        EngineKind::Auto => match engine::io_uring_usable() {
-            Ok(()) => true,
-            Err(e) => {
-                eprintln!(
-                    "vabc: io_uring is unavailable to this process ({e}); merging with the \
-                     sync engine (one read, write and fsync per op: much slower)"
-                );
-                false
-            }
-        },
-    };
-    if !uring {
-        return Ok((Box::new(SyncIo::new(base, cow)), "sync"));
+impl From<EngineKind> for merge::Engine {
+    fn from(k: EngineKind) -> Self {
+        match k {
+            EngineKind::Auto => merge::Engine::Auto,
+            EngineKind::Uring => merge::Engine::Uring,
+            EngineKind::Sync => merge::Engine::Sync,
+        }
     }
-    let io = UringIo::new(base, cow, queue_depth).context("cannot set up io_uring")?;
-    if buffered {
-        return Ok((Box::new(io), "uring"));
-    }
-    let io = io
-        .with_direct()
-        .context("cannot open the base or COW with O_DIRECT")?;
-    Ok((Box::new(io), "uring"))
 }
 
 pub fn run(a: Args) -> Result<ExitCode> {
@@ -166,7 +140,8 @@ pub fn run(a: Args) -> Result<ExitCode> {
     };
     // Validates the merge order and sizes before anything is written.
     let m = Merge::new(&cow, base_size, a.base.clone(), opts)?;
-    let (mut io, engine) = merge_io(a.engine, base, cow_file, a.queue_depth, a.buffered)?;
+    let (mut io, engine) =
+        merge::io::open(a.engine.into(), base, cow_file, a.queue_depth, a.buffered)?;
     let bar = progress::Progress::new(m.total_ops(), "merge", progress::Unit::Items("ops"));
     let t = Instant::now();
     let report = m.run(io.as_mut(), &|done, _| bar.set_position(done))?;

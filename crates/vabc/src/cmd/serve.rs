@@ -1036,8 +1036,8 @@ impl MergeFiles {
             f.try_clone()
                 .with_context(|| format!("duplicate the descriptor of {}", p.display()))
         };
-        let (io, _) = super::merge::merge_io(
-            super::merge::EngineKind::Auto,
+        let (io, _) = merge::io::open(
+            merge::Engine::Auto,
             clone(&b, base)?,
             clone(&c, cow)?,
             64,

@@ -303,16 +303,14 @@ fn format(a: FormatArgs) -> Result<ExitCode> {
     if a.json {
         drop(out);
         crate::report::print(VerityFormatReport {
-            hashfile: &a.hashfile,
-            uuid: uuid_text,
+            tree: TreeReport::new(
+                a.hashfile.clone(),
+                uuid_text,
+                &params,
+                &root,
+                layout.hash_blocks,
+            ),
             hash_type: params.format.as_u32(),
-            root_hash: hex::encode(&root),
-            salt: hex::encode(&params.salt),
-            hash_algorithm: params.algorithm.name(),
-            data_blocks: params.data_blocks,
-            data_block_size: params.data_block_size,
-            hash_blocks: layout.hash_blocks,
-            hash_block_size: params.hash_block_size,
             superblock,
             hash_offset: o.hash_offset,
             tree_offset: tree_off,
@@ -489,17 +487,10 @@ fn verify(a: VerifyArgs) -> Result<ExitCode> {
 
 /// `vabc verity format --json`.
 #[derive(serde::Serialize, schemars::JsonSchema)]
-pub(crate) struct VerityFormatReport<'a> {
-    hashfile: &'a Path,
-    uuid: String,
+pub(crate) struct VerityFormatReport {
+    #[serde(flatten)]
+    tree: TreeReport,
     hash_type: u32,
-    root_hash: String,
-    salt: String,
-    hash_algorithm: &'static str,
-    data_blocks: u64,
-    data_block_size: u32,
-    hash_blocks: u64,
-    hash_block_size: u32,
     superblock: bool,
     hash_offset: u64,
     tree_offset: u64,
@@ -521,4 +512,40 @@ pub(crate) struct VerityVerifyReport {
     area: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     error: Option<String>,
+}
+
+/// A dm-verity tree as the reports of `verity format` and `diff --verity` give it.
+#[derive(serde::Serialize, schemars::JsonSchema)]
+pub(crate) struct TreeReport {
+    pub(crate) hashfile: PathBuf,
+    pub(crate) uuid: String,
+    pub(crate) root_hash: String,
+    pub(crate) salt: String,
+    pub(crate) hash_algorithm: &'static str,
+    pub(crate) data_blocks: u64,
+    pub(crate) data_block_size: u32,
+    pub(crate) hash_blocks: u64,
+    pub(crate) hash_block_size: u32,
+}
+
+impl TreeReport {
+    pub(crate) fn new(
+        hashfile: PathBuf,
+        uuid: String,
+        params: &Params,
+        root: &[u8],
+        hash_blocks: u64,
+    ) -> TreeReport {
+        TreeReport {
+            hashfile,
+            uuid,
+            root_hash: hex::encode(root),
+            salt: hex::encode(&params.salt),
+            hash_algorithm: params.algorithm.name(),
+            data_blocks: params.data_blocks,
+            data_block_size: params.data_block_size,
+            hash_blocks,
+            hash_block_size: params.hash_block_size,
+        }
+    }
 }
