@@ -9,13 +9,14 @@
 # boot runs the project's initramfs hook (guest-device.sh), switches to the root it
 # names, and the system does one step (guest-device-stage2.sh). The host:
 #   1. boots the old system, which installs the update (version 2); the emulator is
-#      killed (SIGKILL: a power cut) at random moments while it installs, until N
-#      cuts landed mid-install: each next boot must run the old system (version 1,
+#      killed (SIGKILL: a power cut) at random moments while it installs (once its
+#      state says installing), until N cuts landed mid-install: each next boot must run the old system (version 1,
 #      its root device read whole equal to the old image) and the install resumes;
 #   2. boots the new system, served from base + COW (ublk, kernel dm-verity): its
 #      root is version 2 and reads whole as the new image; it marks itself good and
 #      the merge runs while it keeps reading its root; the emulator is killed at
-#      random moments of the merge until N cuts landed mid-merge: each next boot
+#      random moments of the merge until N cuts landed mid-merge (more when the
+#      install had fewer than N, so that 10 land in all): each next boot
 #      must run the new system again and resume the merge; after the first such
 #      cut, three boots that must mount no root and write nothing: without the
 #      ublk driver, with the data disk unreadable (device-mapper's error target),
@@ -31,8 +32,8 @@
 # Disks are attached with cache=directsync (every write the guest makes reaches the
 # image file before it completes): a kill of the emulator loses exactly what the guest
 # had not written out of its page cache, and nothing it was told was written. The
-# system disk's writes are throttled to 1 MB/s, a slow eMMC, so that a merge lasts
-# long enough to be cut more than once. Torn and unflushed writes of a real disk are
+# disks' writes are throttled to 1 MB/s, a slow eMMC, so that an install and a merge
+# last long enough to be cut more than once. Torn and unflushed writes of a real disk are
 # the simulated-disk crash tests' job (crates/merge).
 # Env: VABC (default target/debug/vabc), TMPDIR.
 set -euo pipefail
@@ -153,7 +154,7 @@ boot_once() {
 	# the kernel's live code patching (the cause of those panics under multi-threaded
 	# emulation).
 	"$HERE/run.sh" --smp 1 --timeout 600 --disk "$SYS,cache=directsync,throttling.bps-write=$((1 << 20))" \
-		--disk "$DATA,cache=directsync" --share "$(dirname "$VABC")" --share "$WORK/keys" -- \
+		--disk "$DATA,cache=directsync,throttling.bps-write=$((1 << 20))" --share "$(dirname "$VABC")" --share "$WORK/keys" -- \
 		bash "$HERE/guest-device.sh" "$VABC" "$action" >"$LOG" 2>&1 &
 	local pid=$!
 	if [ -n "$marker" ]; then
@@ -204,7 +205,10 @@ landed=0 tries=0 prev= prev_mark=
 while :; do
 	if ((landed < INSTALL_CUTS && tries < INSTALL_CUTS * 3)); then
 		tries=$((tries + 1))
-		boot install-good install-start 8000
+		# The cut lands after the state file says installing (the guest's marker), so
+		# it always leaves a begun install; a window short against the install's
+		# writes (the data disk throttled too) leaves most of it for later cuts.
+		boot install-good installing 1500
 	else
 		boot install-good
 	fi
@@ -224,6 +228,9 @@ while :; do
 	((N < 40)) || { fail "no end to the install"; break; }
 done
 INSTALL_LANDED=$landed
+# The merge makes up what the install left short of 10 cuts: an install that ran
+# faster than planned ends with fewer of its own.
+MERGE_CUTS=$((MERGE_CUTS > 10 - INSTALL_LANDED ? MERGE_CUTS : 10 - INSTALL_LANDED))
 
 # --- 2. The new system, marked good; the merge cut at random moments: every boot
 # runs the new system (served, verified), and the merge resumes.

@@ -69,8 +69,18 @@ install-good | install-bad)
 	else
 		t0=$SECONDS
 		say "install-start ${ACTION#install-}"
+		# "installing" once the state file says so (read directly: a status command
+		# costs too much under emulation to poll): from then on, a power cut leaves a
+		# begun install for the next boot to resume, which is what the host cuts.
+		(
+			until grep -qs '"state": "installing"' $S/state; do sleep 0.05; done
+			say "installing"
+		) &
+		watcher=$!
 		"$V" update install --store $S "/data/bundles/${ACTION#install-}.vabc" -b system=/dev/vda \
 			--keyring /run/vabc-keys --max-boot-attempts 3 || rc=$?
+		kill $watcher 2>/dev/null
+		wait $watcher 2>/dev/null
 		say "install-done rc=$rc state $(state) ($((SECONDS - t0)) s)"
 	fi
 	;;
