@@ -28,7 +28,7 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo test --workspace --locked
 # The application library as a publisher gets it: its documentation without a
 # warning, and every library crate packaged (cargo package's metadata checks).
-RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --locked -p vabc-ota
+RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --locked -p vabc-ota -p vabc-io
 cargo package --workspace --exclude vabc --no-verify --locked
 # The README's first command, with the binary just tested (its release build is the
 # one step left out; the static build below covers a second build profile).

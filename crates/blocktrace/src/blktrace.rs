@@ -66,10 +66,10 @@ pub fn trace_files(input: &Path) -> Result<Vec<PathBuf>> {
         let name = input.file_name().map(|n| n.to_string_lossy().into_owned());
         (dir, name)
     };
-    let entries = fs::read_dir(&dir).map_err(|e| Error::io(&dir, e))?;
+    let entries = fs::read_dir(&dir).map_err(|e| Error::io("list", &dir, e))?;
     let mut found: Vec<(String, u32, PathBuf)> = Vec::new();
     for entry in entries {
-        let entry = entry.map_err(|e| Error::io(&dir, e))?;
+        let entry = entry.map_err(|e| Error::io("list", &dir, e))?;
         let file = entry.file_name().to_string_lossy().into_owned();
         let Some((stem, cpu)) = file.rsplit_once(".blktrace.") else {
             continue;
@@ -106,7 +106,7 @@ pub fn read_trace(input: &Path) -> Result<(Vec<Event>, ReadStats)> {
         ..ReadStats::default()
     };
     for file in &files {
-        let data = fs::read(file).map_err(|e| Error::io(file, e))?;
+        let data = fs::read(file).map_err(|e| Error::io("read", file, e))?;
         parse(&data, file, &mut events, &mut stats)?;
     }
     // Per-CPU files are each in time order; a stable sort keeps a CPU's order for
@@ -274,19 +274,19 @@ pub fn encode(ev: &Event, sequence: u32, out: &mut Vec<u8>) {
 pub fn write_cpu_file(dir: &Path, name: &str, cpu: u32, events: &[Event]) -> Result<PathBuf> {
     let path = dir.join(format!("{name}.blktrace.{cpu}"));
     let tmp = dir.join(format!(".{name}.blktrace.{cpu}.tmp"));
-    let file = fs::File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    let file = fs::File::create(&tmp).map_err(|e| Error::io("create", &tmp, e))?;
     let mut w = BufWriter::new(file);
     let mut buf = Vec::with_capacity(64);
     for (i, ev) in events.iter().enumerate() {
         buf.clear();
         encode(ev, i as u32 + 1, &mut buf);
-        w.write_all(&buf).map_err(|e| Error::io(&tmp, e))?;
+        w.write_all(&buf).map_err(|e| Error::io("write", &tmp, e))?;
     }
     w.into_inner()
-        .map_err(|e| Error::io(&tmp, e.into_error()))?
+        .map_err(|e| Error::io("write", &tmp, e.into_error()))?
         .sync_all()
-        .map_err(|e| Error::io(&tmp, e))?;
-    fs::rename(&tmp, &path).map_err(|e| Error::io(&path, e))?;
+        .map_err(|e| Error::io("sync", &tmp, e))?;
+    fs::rename(&tmp, &path).map_err(|e| Error::io("rename the finished trace to", &path, e))?;
     Ok(path)
 }
 

@@ -261,11 +261,8 @@ impl Event {
 /// offset.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] vabc_io::Error),
     #[error("{path}: offset {offset}: {what}")]
     Format {
         path: PathBuf,
@@ -279,11 +276,8 @@ pub enum Error {
 }
 
 impl Error {
-    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Error {
-        Error::Io {
-            path: path.into(),
-            source,
-        }
+    pub(crate) fn io(op: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Error {
+        Error::Io(vabc_io::Error::new(op, path, source))
     }
 }
 

@@ -164,7 +164,7 @@ pub fn replay(
     let io_err = |op: &str, e: std::io::Error| {
         Error::Input(format!("{}: replay {op}: {e}", target.display()))
     };
-    let mut ring = IoUring::new(RING).map_err(|e| io_err("io_uring setup", e))?;
+    let mut ring: IoUring = vabc_io::ring::new(RING).map_err(|e| io_err("io_uring setup", e))?;
     let max_len = ios(&plan).map(|r| r.len as usize).max().unwrap_or(4096);
     let slots = ios(&plan)
         .map(|r| r.depth as usize)
@@ -352,21 +352,15 @@ fn open_target(target: &Path, need: u64) -> Result<File> {
             err(format!("cannot open for direct I/O: {e}"))
         }
     })?;
-    let size = if block {
-        use std::io::{Seek, SeekFrom};
-        (&file)
-            .seek(SeekFrom::End(0))
-            .map_err(|e| Error::io(target, e))?
-    } else {
-        file.metadata().map_err(|e| Error::io(target, e))?.len()
-    };
+    let size = vabc_io::size_of(&file).map_err(|e| Error::io("find the size of", target, e))?;
     if size < need {
         if block {
             return Err(err(format!(
                 "{size} bytes, but the trace reaches byte {need}"
             )));
         }
-        file.set_len(need).map_err(|e| Error::io(target, e))?;
+        file.set_len(need)
+            .map_err(|e| Error::io("extend", target, e))?;
     }
     Ok(file)
 }

@@ -531,7 +531,7 @@ impl Recorder {
                 .read(true)
                 .custom_flags(libc::O_NONBLOCK)
                 .open(&path)
-                .map_err(|e| Error::io(&path, e))?;
+                .map_err(|e| Error::io("read", &path, e))?;
             let stop = rec.stop.clone();
             let read = rec.read.clone();
             let dropped = rec.dropped.clone();
@@ -634,7 +634,7 @@ fn read_cpu(
             Ok(_) => {}
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(Error::io(path, e)),
+            Err(e) => return Err(Error::io("read", path, e)),
         }
         // Empty: done when stopped (tracing was switched off before the flag was set,
         // so nothing more arrives), else wait for the buffer to fill or 100 ms.
@@ -662,8 +662,8 @@ fn page_size(root: &Path) -> usize {
 fn online_cpus(instance: &Path) -> Result<Vec<u32>> {
     let dir = instance.join("per_cpu");
     let mut cpus = Vec::new();
-    for entry in fs::read_dir(&dir).map_err(|e| Error::io(&dir, e))? {
-        let entry = entry.map_err(|e| Error::io(&dir, e))?;
+    for entry in fs::read_dir(&dir).map_err(|e| Error::io("list", &dir, e))? {
+        let entry = entry.map_err(|e| Error::io("list", &dir, e))?;
         if let Some(n) = entry
             .file_name()
             .to_str()

@@ -126,10 +126,12 @@ impl FrameParams {
             for (bs, cs) in blocks.chunks(n).zip(content.chunks(n * BS)) {
                 let prefix = frame_prefix(plan, old, bs, new.name())?;
                 total += compress(&prefix, cs, Search::Level(PROBE_LEVEL))
-                    .map_err(|source| DeltaError::Output {
-                        path: new.name().to_path_buf(),
-                        op: "compress a probe of",
-                        source,
+                    .map_err(|source| {
+                        DeltaError::Io(vabc_io::Error::new(
+                            "compress a probe of",
+                            new.name(),
+                            source,
+                        ))
                     })?
                     .len();
             }
@@ -368,10 +370,12 @@ impl Recorder<'_> {
                 content,
             };
             st.frames_sent += 1;
-            self.frames.send(frame).map_err(|_| DeltaError::Output {
-                path: self.out.clone(),
-                op: "compress the data stream for",
-                source: std::io::Error::other("a compression thread stopped"),
+            self.frames.send(frame).map_err(|_| {
+                DeltaError::Io(vabc_io::Error::new(
+                    "compress the data stream for",
+                    &self.out,
+                    std::io::Error::other("a compression thread stopped"),
+                ))
             })?;
         }
         st.groups_sent += 1;
@@ -456,10 +460,12 @@ pub fn record<T>(
         });
     }
     let frame_blocks = frames.blocks as usize;
-    let out_err = |source: std::io::Error| DeltaError::Output {
-        path: out_name.to_path_buf(),
-        op: "write the data stream to",
-        source,
+    let out_err = |source: std::io::Error| {
+        DeltaError::Io(vabc_io::Error::new(
+            "write the data stream to",
+            out_name,
+            source,
+        ))
     };
     let threads = threads.max(1);
     // Bounded: the writer waits rather than holding many frames in memory.

@@ -407,11 +407,7 @@ fn temp_in(dir: &Path, out: &Path) -> Result<tempfile::NamedTempFile> {
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    tempfile::Builder::new()
-        .prefix(&format!(".{name}."))
-        .suffix(".tmp")
-        .tempfile_in(dir)
-        .map_err(io_err(dir, "create a temporary file in", 0))
+    vabc_io::temp::temp_in(dir, &name).map_err(io_err(dir, "create a temporary file in", 0))
 }
 
 struct HashWriter<'a>(&'a mut Sha256);

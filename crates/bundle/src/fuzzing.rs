@@ -146,11 +146,7 @@ pub fn sample(
         write_cow(&plan, &o, rec, &cow_path, &copts, &NoProgress)
     })?;
     let cow = std::fs::read(&cow_path).map_err(crate::io_err(&cow_path, "read", 0))?;
-    let id = |img: &MemImage| {
-        let read =
-            |off: u64, buf: &mut [u8]| img.read_exact_at(buf, off).map_err(std::io::Error::other);
-        manifest::ImageId::compute(&read, img.name(), img.size())
-    };
+    let id = |img: &MemImage| manifest::ImageId::compute(&img.bytes(), img.name(), img.size());
     let image = manifest::Manifest {
         schema_version: manifest::SCHEMA_VERSION,
         base: id(&o).map_err(|e| crate::io_err(&out, "hash", 0)(std::io::Error::other(e)))?,

@@ -58,18 +58,8 @@ pub use source::Source;
 #[non_exhaustive]
 pub enum BundleError {
     /// A read or write failed.
-    #[error("{path}: cannot {op} at offset {offset}: {source}")]
-    Io {
-        /// The file (or `-` for a stream).
-        path: PathBuf,
-        /// What was being done.
-        op: &'static str,
-        /// Byte offset in the bundle (or the file named).
-        offset: u64,
-        /// The error.
-        #[source]
-        source: io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] vabc_io::Error),
     /// The bundle is not one this version reads, or is damaged.
     #[error("{path}: offset {offset}: {msg}")]
     Format {
@@ -120,10 +110,5 @@ pub(crate) fn io_err(
     offset: u64,
 ) -> impl FnOnce(io::Error) -> BundleError {
     let path = path.into();
-    move |source| BundleError::Io {
-        path,
-        op,
-        offset,
-        source,
-    }
+    move |source| BundleError::Io(vabc_io::Error::new(op, path, source).at(offset))
 }

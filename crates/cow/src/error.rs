@@ -11,14 +11,8 @@ use crate::format::OpKind;
 #[non_exhaustive]
 pub enum CowError {
     /// A read, write, sync or open failed.
-    #[error("{path}: {op} at offset {offset} failed")]
-    Io {
-        path: PathBuf,
-        op: &'static str,
-        offset: u64,
-        #[source]
-        source: io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] vabc_io::Error),
     /// The file is not a valid COW (bad magic, impossible sizes, truncation…).
     #[error("{path}: offset {offset}: {msg}")]
     Format {
@@ -96,12 +90,7 @@ pub(crate) fn io_err<'a>(
     op: &'static str,
     offset: u64,
 ) -> impl FnOnce(io::Error) -> CowError + 'a {
-    move |source| CowError::Io {
-        path: path.to_path_buf(),
-        op,
-        offset,
-        source,
-    }
+    move |source| CowError::Io(vabc_io::Error::new(op, path, source).at(offset))
 }
 
 pub(crate) fn format_err(path: &std::path::Path, offset: u64, msg: impl Into<String>) -> CowError {

@@ -13,7 +13,6 @@
 //! - [`view`]: the new image as base + COW.
 
 pub mod codec;
-pub mod direct;
 pub mod error;
 pub mod format;
 #[cfg(any(test, feature = "fuzzing"))]

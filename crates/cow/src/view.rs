@@ -19,7 +19,7 @@ pub struct SnapshotView<'a> {
     base: &'a File,
     /// The base opened with `O_DIRECT` when it is a block device: a mounted file
     /// system's view of it in the page cache is not what the disk holds
-    /// ([`crate::direct`]).
+    /// ([`vabc_io::direct`]).
     direct: Option<File>,
     base_path: PathBuf,
     base_size: u64,
@@ -41,7 +41,7 @@ impl<'a> SnapshotView<'a> {
         Ok(SnapshotView {
             cow,
             base,
-            direct: crate::direct::open_if_block_device(base_path)
+            direct: vabc_io::direct::open_if_block_device(base_path)
                 .ok()
                 .flatten(),
             base_path: base_path.to_path_buf(),
@@ -63,7 +63,7 @@ impl<'a> SnapshotView<'a> {
         let avail = self.base_size.saturating_sub(offset).min(buf.len() as u64) as usize;
         if avail > 0 {
             match &self.direct {
-                Some(d) => crate::direct::read_exact_at(d, &mut buf[..avail], offset),
+                Some(d) => vabc_io::direct::read_bounced(d, &mut buf[..avail], offset),
                 None => self.base.read_exact_at(&mut buf[..avail], offset),
             }
             .map_err(io_err(&self.base_path, "read base", offset))?;
@@ -209,11 +209,5 @@ pub fn xor_into(dst: &mut [u8], src: &[u8]) {
 
 /// Size of a regular file or block device.
 pub fn file_size(file: &File, path: &Path) -> Result<u64> {
-    let md = file.metadata().map_err(io_err(path, "stat", 0))?;
-    if md.is_file() {
-        return Ok(md.len());
-    }
-    use std::io::{Seek, SeekFrom};
-    let mut f = file;
-    f.seek(SeekFrom::End(0)).map_err(io_err(path, "seek", 0))
+    vabc_io::size_of(file).map_err(io_err(path, "find the size of", 0))
 }

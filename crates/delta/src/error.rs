@@ -8,14 +8,10 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum DeltaError {
-    /// An input image or the output could not be opened or created.
-    #[error("{path}: cannot {op}: {source}")]
-    Open {
-        path: PathBuf,
-        op: &'static str,
-        #[source]
-        source: io::Error,
-    },
+    /// An input image or the output could not be opened, created, synced or
+    /// renamed.
+    #[error(transparent)]
+    Io(#[from] vabc_io::Error),
     /// A read of an input image failed (or hit an unexpected end of file).
     #[error("{path}: read of {len} bytes at offset {offset} failed: {source}")]
     Read {
@@ -44,14 +40,6 @@ pub enum DeltaError {
     /// The finished COW did not read back as planned.
     #[error("{path}: read-back check failed: {msg}")]
     Verify { path: PathBuf, msg: String },
-    /// The output could not be finished (sync or rename).
-    #[error("{path}: cannot {op}: {source}")]
-    Output {
-        path: PathBuf,
-        op: &'static str,
-        #[source]
-        source: io::Error,
-    },
     /// The thread pool could not be created.
     #[error("cannot start {threads} worker threads: {msg}")]
     Threads { threads: usize, msg: String },

@@ -4,13 +4,15 @@
 //! NEW and single candidate regions of OLD with positioned reads, so several
 //! threads share one file descriptor without seeking.
 
-use std::io::{Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 use crate::BLOCK_SIZE;
 use crate::error::{DeltaError, Result};
 
-/// A read-only image addressed by byte offset.
+/// A read-only image addressed by byte offset, whose reads fail with a [`DeltaError`]
+/// naming the image and the range (and, for the bundle's streaming replayer, what it
+/// found instead). Any `dyn BlockImage` is also a plain [`vabc_io::ReadAt`] (for
+/// hashing it with `manifest`).
 pub trait BlockImage: Sync {
     /// Logical size in bytes (a multiple of 4096 for images the planner
     /// accepts).
@@ -21,6 +23,12 @@ pub trait BlockImage: Sync {
     fn name(&self) -> &Path;
 }
 
+impl vabc_io::ReadAt for dyn BlockImage + '_ {
+    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        BlockImage::read_exact_at(self, buf, offset).map_err(std::io::Error::other)
+    }
+}
+
 /// An image file or block device.
 ///
 /// With padding enabled, a size that is not a multiple of 4096 is rounded up
@@ -29,8 +37,8 @@ pub trait BlockImage: Sync {
 #[derive(Debug)]
 pub struct ImageFile {
     /// A block device is read with `O_DIRECT`: a mounted file system's view of it in
-    /// the page cache is not what the disk holds (`cow::direct`).
-    disk: cow::direct::Disk,
+    /// the page cache is not what the disk holds (`vabc_io::direct`).
+    disk: vabc_io::Disk,
     path: PathBuf,
     /// Bytes actually present in the file or device.
     physical: u64,
@@ -42,21 +50,11 @@ impl ImageFile {
     /// Open `path` (regular file or block device). Without `pad`, a size that
     /// is not a multiple of 4096 is rejected.
     pub fn open(path: &Path, pad: bool) -> Result<ImageFile> {
-        let disk = cow::direct::Disk::open(path).map_err(|source| DeltaError::Open {
-            path: path.to_path_buf(),
-            op: "open",
-            source,
+        let disk = vabc_io::Disk::open(path)
+            .map_err(|source| DeltaError::Io(vabc_io::Error::new("open", path, source)))?;
+        let physical = vabc_io::size_of(disk.file()).map_err(|source| {
+            DeltaError::Io(vabc_io::Error::new("determine the size of", path, source))
         })?;
-        let mut file = disk.file();
-        // Block devices report a zero length in their metadata; seeking to
-        // the end gives the real size for both files and devices.
-        let physical = file
-            .seek(SeekFrom::End(0))
-            .map_err(|source| DeltaError::Open {
-                path: path.to_path_buf(),
-                op: "determine the size of",
-                source,
-            })?;
         let tail = physical % BLOCK_SIZE as u64;
         let logical = if tail == 0 {
             physical
@@ -114,14 +112,14 @@ impl BlockImage for ImageFile {
         let present = end.min(self.physical).saturating_sub(offset) as usize;
         let (head, pad) = buf.split_at_mut(present);
         if !head.is_empty() {
-            self.disk
-                .read_exact_at(head, offset)
-                .map_err(|source| DeltaError::Read {
+            vabc_io::ReadAt::read_exact_at(&self.disk, head, offset).map_err(|source| {
+                DeltaError::Read {
                     path: self.path.clone(),
                     offset,
                     len: present,
                     source,
-                })?;
+                }
+            })?;
         }
         pad.fill(0);
         Ok(())

@@ -124,10 +124,7 @@ pub trait Progress: Sync {
         dir: &std::path::Path,
         name: &str,
     ) -> std::io::Result<tempfile::NamedTempFile> {
-        tempfile::Builder::new()
-            .prefix(&format!(".{name}."))
-            .suffix(".tmp")
-            .tempfile_in(dir)
+        vabc_io::temp::temp_in(dir, name)
     }
 }
 

@@ -212,13 +212,13 @@ pub fn write_cow(
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let tmp = progress
-        .make_temp(&dir, &name)
-        .map_err(|source| DeltaError::Open {
-            path: dir.clone(),
-            op: "create a temporary file in",
+    let tmp = progress.make_temp(&dir, &name).map_err(|source| {
+        DeltaError::Io(vabc_io::Error::new(
+            "create a temporary file in",
+            &dir,
             source,
-        })?;
+        ))
+    })?;
     let tmp_path = tmp.path().to_path_buf();
 
     let wopts = WriterOptions {
@@ -295,16 +295,15 @@ pub fn write_cow(
     progress.finish();
 
     let report = verify_written(&tmp_path, plan, &ordered)?;
-    let file = tmp.persist(out).map_err(|e| DeltaError::Output {
-        path: out.to_path_buf(),
-        op: "rename the finished COW to",
-        source: e.error,
+    let file = tmp.persist(out).map_err(|e| {
+        DeltaError::Io(vabc_io::Error::new(
+            "rename the finished COW to",
+            out,
+            e.error,
+        ))
     })?;
-    file.sync_all().map_err(|source| DeltaError::Output {
-        path: out.to_path_buf(),
-        op: "sync",
-        source,
-    })?;
+    file.sync_all()
+        .map_err(|source| DeltaError::Io(vabc_io::Error::new("sync", out, source)))?;
     if let Ok(d) = File::open(&dir) {
         // Makes the rename durable; a directory that cannot be opened for
         // reading is not worth failing a finished COW for.

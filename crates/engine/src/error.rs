@@ -1,7 +1,6 @@
 //! One error type for the engine. Every variant carries enough context (file, offset,
 //! operation) to be printed as is, and `errno()` maps it to what a transport returns.
 
-use std::io;
 use std::path::PathBuf;
 
 /// Errors from opening or reading a block device.
@@ -9,14 +8,8 @@ use std::path::PathBuf;
 #[non_exhaustive]
 pub enum EngineError {
     /// A system call on one of the backing files failed.
-    #[error("{op} {path} at offset {offset}: {source}")]
-    Io {
-        op: &'static str,
-        path: PathBuf,
-        offset: u64,
-        #[source]
-        source: io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] vabc_io::Error),
     /// The COW file could not be opened or parsed, or one of its payloads failed to decode.
     #[error(transparent)]
     Cow(#[from] cow::CowError),

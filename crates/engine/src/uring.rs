@@ -14,27 +14,11 @@ use std::os::fd::RawFd;
 use io_uring::{IoUring, opcode, types};
 use smallvec::SmallVec;
 
-/// `io_uring_enter`: submits what is queued and, with `want` above zero, waits for
-/// that many completions, again when a signal interrupts the wait. Every ring of the
+/// `io_uring_enter`, again when a signal interrupts the wait: every ring of the
 /// project that needs nothing more (the FUSE queues, ublk's control and queue rings)
-/// enters through here; the merge's adds a stall timeout, and the read batches below
+/// enters through it; the merge's adds a stall timeout, and the read batches below
 /// treat EAGAIN/EBUSY as "reap first".
-pub fn enter<S, C>(ring: &mut IoUring<S, C>, want: usize) -> io::Result<usize>
-where
-    S: io_uring::squeue::EntryMarker,
-    C: io_uring::cqueue::EntryMarker,
-{
-    loop {
-        let r = match want {
-            0 => ring.submit(),
-            n => ring.submit_and_wait(n),
-        };
-        match r {
-            Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
-            r => return r,
-        }
-    }
-}
+pub use vabc_io::ring::enter;
 
 /// Submission queue size of each thread's ring; longer batches go in several rounds.
 const RING_ENTRIES: u32 = 64;
@@ -82,13 +66,9 @@ pub(crate) fn disable_for_this_thread() {
     RING.with(|cell| *cell.borrow_mut() = Ring::Unavailable);
 }
 
-/// Whether this process may create io_uring instances at all: io_uring can be switched
-/// off (`kernel.io_uring_disabled`) or filtered out by seccomp, as in many containers.
-/// The engine itself then reads with `pread`; frontends and the merge ask here to pick
-/// their own fallback.
-pub fn usable() -> io::Result<()> {
-    IoUring::new(2).map(drop)
-}
+/// Whether this process may create io_uring instances at all. The engine itself then
+/// reads with `pread`; frontends and the merge ask here to pick their own fallback.
+pub use vabc_io::ring::usable;
 
 /// Whether this thread can use [`read_batch`] (creates its ring on first use).
 pub(crate) fn available() -> bool {
@@ -97,7 +77,7 @@ pub(crate) fn available() -> bool {
             return false;
         };
         if matches!(*slot, Ring::Untried) {
-            *slot = match IoUring::new(RING_ENTRIES) {
+            *slot = match vabc_io::ring::new(RING_ENTRIES) {
                 Ok(r) => Ring::Ready(Box::new(r)),
                 Err(_) => Ring::Unavailable,
             };
@@ -115,7 +95,7 @@ pub(crate) fn read_batch(reads: &mut [Read<'_>]) -> Option<Vec<io::Result<()>>> 
         // engine) would find the ring borrowed; it then falls back to pread.
         let mut slot = cell.try_borrow_mut().ok()?;
         if matches!(*slot, Ring::Untried) {
-            *slot = match IoUring::new(RING_ENTRIES) {
+            *slot = match vabc_io::ring::new(RING_ENTRIES) {
                 Ok(r) => Ring::Ready(Box::new(r)),
                 Err(_) => Ring::Unavailable,
             };

@@ -174,7 +174,11 @@ fn a_failing_batched_read_names_the_file_and_offset() {
     let mut buf = AlignedBuf::new(1 << 20);
     let err = e.read_at(buf.slice_mut(1 << 20), 0).unwrap_err();
     match &err {
-        EngineError::Io { path, offset, .. } => {
+        EngineError::Io(vabc_io::Error {
+            path,
+            offset: Some(offset),
+            ..
+        }) => {
             assert_eq!(path, &base);
             // The sources of blocks 0..256 are base blocks 256..512.
             assert!((256 * BS as u64..300 * BS as u64).contains(offset), "{err}");

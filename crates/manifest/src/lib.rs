@@ -65,14 +65,8 @@ pub const SCHEMA_VERSION: u32 = 1;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ManifestError {
-    #[error("{path}: {op} at offset {offset}: {source}")]
-    Io {
-        path: PathBuf,
-        op: &'static str,
-        offset: u64,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] vabc_io::Error),
     #[error("{path}: not a vabc update manifest: {msg}")]
     Invalid { path: PathBuf, msg: String },
     #[error(
@@ -119,22 +113,8 @@ impl std::fmt::Display for Mismatch {
     }
 }
 
-/// Reads `buf.len()` bytes of an image at `offset` (the caller's file, device or view).
-pub trait ReadAt: Sync {
-    fn read_at(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<()>;
-}
-
-impl ReadAt for std::fs::File {
-    fn read_at(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
-        std::os::unix::fs::FileExt::read_exact_at(self, buf, offset)
-    }
-}
-
-impl<F: Fn(u64, &mut [u8]) -> std::io::Result<()> + Sync> ReadAt for F {
-    fn read_at(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
-        self(offset, buf)
-    }
-}
+/// Reads of an image at an offset (the caller's file, device or view).
+pub use vabc_io::{ReadAt, ReadFn};
 
 /// Hashes of the regions `which` of the first `size` bytes of an image, in parallel.
 /// `path` names the image in errors.
@@ -179,13 +159,9 @@ fn hash_range(
     let mut off = start;
     while off < end {
         let n = ((end - off) as usize).min(buf.len());
-        src.read_at(off, &mut buf[..n])
-            .map_err(|source| ManifestError::Io {
-                path: path.to_path_buf(),
-                op: "read",
-                offset: off,
-                source,
-            })?;
+        src.read_exact_at(&mut buf[..n], off).map_err(|source| {
+            ManifestError::Io(vabc_io::Error::new("read", path, source).at(off))
+        })?;
         h.update(&buf[..n]);
         off += n as u64;
     }
@@ -256,13 +232,9 @@ fn one_pass(
                     .map(|(buf, k)| {
                         let start = k as u64 * chunk;
                         buf.resize(((start + chunk).min(size) - start) as usize, 0);
-                        src.read_at(start, buf)
-                            .map_err(|source| ManifestError::Io {
-                                path: path.to_path_buf(),
-                                op: "read",
-                                offset: start,
-                                source,
-                            })?;
+                        src.read_exact_at(buf, start).map_err(|source| {
+                            ManifestError::Io(vabc_io::Error::new("read", path, source).at(start))
+                        })?;
                         Ok(per_piece.then(|| Sha256::digest(&buf[..]).into()))
                     })
                     .collect::<Result<Vec<Option<[u8; 32]>>>>()
@@ -418,12 +390,8 @@ impl Manifest {
 
     /// Reads and validates a manifest.
     pub fn load(path: &Path) -> Result<Manifest> {
-        let text = std::fs::read_to_string(path).map_err(|source| ManifestError::Io {
-            path: path.to_path_buf(),
-            op: "read",
-            offset: 0,
-            source,
-        })?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| ManifestError::Io(vabc_io::Error::new("read", path, source).at(0)))?;
         Manifest::parse(&text, path)
     }
 
@@ -475,12 +443,8 @@ mod tests {
         (0..len).map(|_| rng.u8(..)).collect()
     }
 
-    fn reader(data: &[u8]) -> impl Fn(u64, &mut [u8]) -> std::io::Result<()> + Sync + '_ {
-        move |off, buf| {
-            let o = off as usize;
-            buf.copy_from_slice(&data[o..o + buf.len()]);
-            Ok(())
-        }
+    fn reader(data: &[u8]) -> &[u8] {
+        data
     }
 
     #[test]
@@ -543,13 +507,13 @@ mod tests {
             }
         }
         // A read error names the region's offset.
-        let failing = |off: u64, _: &mut [u8]| {
+        let failing = ReadFn(|_: &mut [u8], off: u64| {
             if off == 32 << 10 {
                 Err(std::io::Error::other("gone"))
             } else {
                 Ok(())
             }
-        };
+        });
         let e = ImageId::compute_in(&failing, Path::new("f"), 100 << 10, 16 << 10).unwrap_err();
         assert!(e.to_string().contains("32768"), "{e}");
     }

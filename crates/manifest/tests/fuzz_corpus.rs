@@ -9,12 +9,7 @@ use std::path::Path;
 fn seeds() -> Vec<(String, Vec<u8>)> {
     let id = |seed: u8, size: u64| {
         let data: Vec<u8> = (0..size).map(|i| (i as u8).wrapping_mul(seed)).collect();
-        let read = move |off: u64, buf: &mut [u8]| {
-            let o = off as usize;
-            buf.copy_from_slice(&data[o..o + buf.len()]);
-            Ok(())
-        };
-        manifest::ImageId::compute(&read, Path::new("x"), size).unwrap()
+        manifest::ImageId::compute(&data, Path::new("x"), size).unwrap()
     };
     let good = manifest::Manifest {
         schema_version: manifest::SCHEMA_VERSION,

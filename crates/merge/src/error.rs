@@ -5,14 +5,8 @@ use std::path::PathBuf;
 pub enum MergeError {
     #[error(transparent)]
     Cow(#[from] cow::CowError),
-    #[error("{path}: {op} at offset {offset} failed")]
-    Io {
-        path: PathBuf,
-        op: &'static str,
-        offset: u64,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] vabc_io::Error),
     #[error("{path}: base is {size} bytes, but the COW needs {needed}: wrong base image?")]
     BaseTooSmall {
         path: PathBuf,

@@ -737,21 +737,11 @@ impl<'a> Merge<'a> {
     }
 
     fn cow_io(&self, op: &'static str, offset: u64, e: std::io::Error) -> MergeError {
-        MergeError::Io {
-            path: self.cow_path.clone(),
-            op,
-            offset,
-            source: e,
-        }
+        MergeError::Io(vabc_io::Error::new(op, &self.cow_path, e).at(offset))
     }
 
     fn base_io(&self, op: &'static str, offset: u64, e: std::io::Error) -> MergeError {
-        MergeError::Io {
-            path: PathBuf::from("base"),
-            op,
-            offset,
-            source: e,
-        }
+        MergeError::Io(vabc_io::Error::new(op, PathBuf::from("base"), e).at(offset))
     }
 
     /// Start reading the sources of order[pos..pos+n] into the staging

@@ -22,28 +22,7 @@ use io_uring::{IoUring, opcode, squeue, types};
 use crate::io::{Dev, IoStats, MergeIo};
 use engine::DIRECT_ALIGN as ALIGN;
 
-/// A second descriptor of `file`'s inode, opened `O_DIRECT` with the same
-/// access mode; `None` where the filesystem does not support it.
-fn reopen_direct(file: &File) -> io::Result<Option<File>> {
-    use std::os::unix::fs::OpenOptionsExt;
-    // SAFETY: F_GETFL on a descriptor we own reads its flags, nothing else.
-    let flags = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GETFL) };
-    if flags < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let writable = flags & libc::O_ACCMODE != libc::O_RDONLY;
-    let path = format!("/proc/self/fd/{}", file.as_raw_fd());
-    match std::fs::OpenOptions::new()
-        .read(true)
-        .write(writable)
-        .custom_flags(libc::O_DIRECT)
-        .open(&path)
-    {
-        Ok(f) => Ok(Some(f)),
-        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(None),
-        Err(e) => Err(e),
-    }
-}
+use vabc_io::direct::reopen as reopen_direct;
 
 /// Largest single read or write submitted (keeps SQEs independent of the
 /// caller's run lengths).
@@ -105,7 +84,7 @@ impl UringIo {
     /// `depth`: submission queue entries (AOSP uses 8; 64 keeps a 2 MiB
     /// window in one submission).
     pub fn new(base: File, cow: File, depth: u32) -> io::Result<Self> {
-        let ring = IoUring::new(depth.max(2))?;
+        let ring = vabc_io::ring::new(depth)?;
         Ok(UringIo {
             ring,
             depth: depth.max(2) as usize,

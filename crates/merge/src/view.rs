@@ -51,12 +51,7 @@ impl<'a> MergingView<'a> {
     fn pread(&self, buf: &mut [u8], off: u64) -> Result<()> {
         self.base
             .read_exact_at(buf, off)
-            .map_err(|e| MergeError::Io {
-                path: self.base_path.clone(),
-                op: "read",
-                offset: off,
-                source: e,
-            })
+            .map_err(|e| MergeError::Io(vabc_io::Error::new("read", &self.base_path, e).at(off)))
     }
 
     /// Read new block `block` into `buf` (4096 bytes).

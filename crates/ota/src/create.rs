@@ -436,9 +436,7 @@ pub fn cow_update(
     // apply, merge and serve before they read a base through this COW.
     let cow =
         cow::CowReader::open(output).with_context(|| format!("read back {}", output.display()))?;
-    let new_read = |off: u64, buf: &mut [u8]| {
-        BlockImage::read_exact_at(&new, buf, off).map_err(std::io::Error::other)
-    };
+    let new_read: &dyn BlockImage = &new;
     let manifest = manifest::Manifest {
         schema_version: manifest::SCHEMA_VERSION,
         base: image_id(&old, old_path, plan.old_size, manifest::REGION_SIZE)?,
@@ -487,11 +485,9 @@ fn image_id(
     size: u64,
     region_size: u64,
 ) -> Result<manifest::ImageId> {
-    let read = |off: u64, buf: &mut [u8]| {
-        BlockImage::read_exact_at(img, buf, off).map_err(std::io::Error::other)
-    };
+    let img: &dyn BlockImage = img;
     Ok(manifest::ImageId::compute_in(
-        &read,
+        &img,
         path,
         size,
         region_size,

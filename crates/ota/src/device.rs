@@ -177,7 +177,7 @@ pub fn install(
     let mut specs = Vec::new();
     for (name, path) in bases {
         let abs = std::fs::canonicalize(path)
-            .map_err(|e| Error::io(format!("--base {name}=: cannot resolve the path"), path, e))?;
+            .map_err(|e| Error::io(format!("resolve partition {name}'s base"), path, e))?;
         specs.push((name.clone(), abs));
     }
     let mut begun: Option<Update> = None;

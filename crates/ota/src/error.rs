@@ -32,17 +32,10 @@ pub enum Error {
     /// partition named twice, not enough space).
     #[error("{0}")]
     Invalid(String),
-    /// A system call on a file failed.
-    #[error("{op} {}: {source}", path.display())]
-    Io {
-        /// What was being done ("open", "read", "rename to ...").
-        op: String,
-        /// The file.
-        path: PathBuf,
-        /// The operating system's error (its errno through `raw_os_error`).
-        #[source]
-        source: std::io::Error,
-    },
+    /// A system call on a file failed: what was done, to which file, and the
+    /// operating system's error ([`vabc_io::Error::errno`]).
+    #[error(transparent)]
+    Io(#[from] vabc_io::Error),
     /// A step that failed, and why.
     #[error("{msg}")]
     Context {
@@ -85,13 +78,10 @@ pub enum Error {
 }
 
 impl Error {
-    /// An I/O error of `op` on `path`.
+    /// An I/O error of `op` (a verb phrase the path completes: "open", "rename the
+    /// COW to") on `path`.
     pub fn io(op: impl Into<String>, path: impl Into<PathBuf>, source: std::io::Error) -> Error {
-        Error::Io {
-            op: op.into(),
-            path: path.into(),
-            source,
-        }
+        Error::Io(vabc_io::Error::new(op.into(), path, source))
     }
 
     /// This error, or one of its causes, is a [`Error::Mismatch`].
@@ -233,10 +223,10 @@ mod tests {
             "/x",
             std::io::Error::from_raw_os_error(libc::ENOENT),
         );
-        let Error::Io { source, .. } = &e else {
+        let Error::Io(io) = &e else {
             panic!("not Io: {e:?}");
         };
-        assert_eq!(source.raw_os_error(), Some(libc::ENOENT));
-        assert!(e.to_string().starts_with("open /x: "));
+        assert_eq!(io.errno(), Some(libc::ENOENT));
+        assert!(e.to_string().starts_with("cannot open /x: "), "{e}");
     }
 }

@@ -77,7 +77,7 @@ pub fn open_bundle(path: &Path) -> Result<Box<dyn bundle::Source>> {
             bundle::http::RangeReader::new(&text),
         )));
     }
-    let f = File::open(path).map_err(|e| Error::io("cannot open bundle", path, e))?;
+    let f = File::open(path).map_err(|e| Error::io("open bundle", path, e))?;
     Ok(Box::new(std::io::BufReader::with_capacity(1 << 20, f)))
 }
 
@@ -470,12 +470,12 @@ impl Target<'_> {
     fn sidecar(&self, cow_path: &Path) -> Result<manifest::Manifest> {
         let (p, base) = (self.part, self.base.as_path());
         let cow = cow::CowReader::open(cow_path)?;
-        let file = File::open(base).map_err(|e| Error::io("cannot open base", base, e))?;
+        let file = File::open(base).map_err(|e| Error::io("open base", base, e))?;
         let view = cow::SnapshotView::new(&cow, &file, base, Some(p.image.new.size))?;
-        let read = |off: u64, buf: &mut [u8]| {
+        let read = manifest::ReadFn(|buf: &mut [u8], off: u64| {
             view.read_blocks(off / cow::BLOCK_SIZE as u64, buf)
                 .map_err(std::io::Error::other)
-        };
+        });
         // A full read of the new image through the COW: it proves base + COW make the
         // image the signed manifest names, before the COW is kept.
         let new = manifest::ImageId::compute(&read, cow_path, p.image.new.size)?;
@@ -589,13 +589,11 @@ pub fn check_bundle_base(p: &Partition, base: &Path) -> Result<manifest::ImageId
 
 /// A base's size and a reader of it as the disk holds it: a block device may be
 /// mounted (the running old system) with its file system's own view of it in the
-/// page cache (`cow::direct`).
-pub fn base_reader(base: &Path) -> Result<(u64, impl manifest::ReadAt)> {
-    let disk = cow::direct::Disk::open(base).map_err(|e| Error::io("cannot open base", base, e))?;
+/// page cache (`vabc_io::direct`).
+pub fn base_reader(base: &Path) -> Result<(u64, vabc_io::Disk)> {
+    let disk = vabc_io::Disk::open(base).map_err(|e| Error::io("open base", base, e))?;
     let size = cow::view::file_size(disk.file(), base)?;
-    Ok((size, move |off: u64, buf: &mut [u8]| {
-        disk.read_exact_at(buf, off)
-    }))
+    Ok((size, disk))
 }
 
 /// Refuses an install whose COWs (and hash files) do not fit in `dir`; a download
@@ -734,13 +732,13 @@ pub fn apply(req: &Request<'_>, observer: &dyn Observer) -> Result<Vec<Applied>>
     for d in &done {
         let m = manifest::Manifest::load(&d.manifest)?;
         let cow = cow::CowReader::open(&d.cow)?;
-        let base = File::open(&d.base).map_err(|e| Error::io("cannot open base", &d.base, e))?;
+        let base = File::open(&d.base).map_err(|e| Error::io("open base", &d.base, e))?;
         let view = cow::SnapshotView::new(&cow, &base, &d.base, Some(m.new.size))?;
         let out = out_dir.join(format!("{}.img", d.name));
         let tmp = crate::output::temp_beside(&out)?;
         tmp.as_file()
             .set_len(m.new.size)
-            .map_err(|e| Error::io("cannot size", tmp.path(), e))?;
+            .map_err(|e| Error::io("size", tmp.path(), e))?;
         view.write_to(tmp.as_file(), tmp.path(), true, &|_| {})?;
         if let Some(found) = m
             .new

@@ -13,18 +13,11 @@ use crate::error::{Context, Error, Result};
 /// A temporary file in `dest`'s directory (same file system, so the final rename is
 /// atomic), named `.NAME.XXXXXX.tmp` after `dest`.
 pub fn temp_beside(dest: &Path) -> Result<NamedTempFile> {
-    let dir = parent_of(dest);
-    let name = dest
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
     registered(
         || {
-            tempfile::Builder::new()
-                .prefix(&format!(".{name}."))
-                .suffix(".tmp")
-                .tempfile_in(&dir)
-                .with_context(|| format!("create a temporary file in {}", dir.display()))
+            vabc_io::temp::temp_beside(dest).with_context(|| {
+                format!("create a temporary file in {}", parent_of(dest).display())
+            })
         },
         |t| t.path().to_path_buf(),
     )
@@ -67,23 +60,13 @@ pub fn check_dest(dest: &Path, option: &str) -> Result<()> {
     Ok(())
 }
 
-fn parent_of(dest: &Path) -> PathBuf {
-    match dest.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    }
-}
+use vabc_io::temp::parent_of;
 
 /// A temporary file `.NAME.XXXXXX.tmp` in `dir`, registered (for writers in other
 /// crates: `delta::Progress::make_temp`).
 pub fn temp_in(dir: &Path, name: &str) -> std::io::Result<NamedTempFile> {
     registered(
-        || {
-            tempfile::Builder::new()
-                .prefix(&format!(".{name}."))
-                .suffix(".tmp")
-                .tempfile_in(dir)
-        },
+        || vabc_io::temp::temp_in(dir, name),
         |t| t.path().to_path_buf(),
     )
 }

@@ -195,7 +195,7 @@ pub fn install_hashfile(
     let (params, uuid) =
         signed_params(v).with_context(|| format!("partition {name}: verity parameters"))?;
     let cow = cow::CowReader::open(cow_path)?;
-    let file = File::open(base).map_err(|e| crate::Error::io("cannot open base", base, e))?;
+    let file = File::open(base).map_err(|e| crate::Error::io("open base", base, e))?;
     let view = ViewAt(cow::SnapshotView::new(&cow, &file, base, Some(new_size))?);
     let input = Input {
         reader: &view,

@@ -164,7 +164,7 @@ pub fn op_hashes(cow: &CowReader, new: &dyn manifest::ReadAt, new_path: &Path) -
     let mut block = vec![0u8; 4096];
     for i in cow.merge_order()? {
         let b = cow.ops()[i].new_block;
-        new.read_at(b * 4096, &mut block)
+        new.read_exact_at(&mut block, b * 4096)
             .with_context(|| format!("read block {b} of {}", new_path.display()))?;
         let _ = write!(out, "{:016x}", manifest::block_hash(&block));
     }
@@ -255,7 +255,7 @@ pub fn prove_result(
     }
     let size = view.size();
     let cow_path = cow.path().to_path_buf();
-    let read = |off: u64, buf: &mut [u8]| -> std::io::Result<()> {
+    let read = manifest::ReadFn(|buf: &mut [u8], off: u64| -> std::io::Result<()> {
         if off.is_multiple_of(4096) && buf.len().is_multiple_of(4096) {
             // Every read but a last partial block's: straight into the caller's buffer.
             return view
@@ -271,7 +271,7 @@ pub fn prove_result(
         let skip = (off - start * 4096) as usize;
         buf.copy_from_slice(&blocks[skip..skip + buf.len()]);
         Ok(())
-    };
+    });
     match m {
         Some(m) => {
             // The view stops at the image's end; a merge would not. An op past it (a
@@ -316,7 +316,7 @@ pub fn prove_result(
                     |buf, c| {
                         let off = c * CHUNK;
                         let n = (size - off).min(CHUNK) as usize;
-                        read(off, &mut buf[..n])
+                        manifest::ReadAt::read_exact_at(&read, &mut buf[..n], off)
                     },
                 )
                 .with_context(|| format!("decode every op of {}", cow_path.display()))?;

@@ -34,13 +34,8 @@ pub use workers::Workers;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ServeError {
-    #[error("{op} {path}: {source}")]
-    Io {
-        op: &'static str,
-        path: PathBuf,
-        #[source]
-        source: io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] vabc_io::Error),
     #[error("{path} is already a mount point; unmount it first or choose another directory")]
     Busy { path: PathBuf },
     #[error("{path}: {msg}")]
@@ -60,7 +55,7 @@ pub(crate) fn io_err(
     path: impl Into<PathBuf>,
 ) -> impl FnOnce(io::Error) -> ServeError {
     let path = path.into();
-    move |source| ServeError::Io { op, path, source }
+    move |source| ServeError::Io(vabc_io::Error::new(op, path, source))
 }
 
 /// The read-ahead in front of a frontend's device.

@@ -64,13 +64,8 @@ pub const VERSION_FILE: &str = "version";
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum UpdateError {
-    #[error("{path}: cannot {op}: {source}")]
-    Io {
-        path: PathBuf,
-        op: &'static str,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] vabc_io::Error),
     #[error(
         "{path}: no state file: not an update store (make one with `vabc update init`), or \
          its state was lost; nothing was changed"
@@ -430,15 +425,11 @@ impl Store {
             OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
             Mode::empty(),
         )
-        .map_err(|e| UpdateError::Io {
-            path: path.to_path_buf(),
-            op: "open the store folder",
-            source: e.into(),
+        .map_err(|e| {
+            UpdateError::Io(vabc_io::Error::new("open the store folder", path, e.into()))
         })?;
-        let st = rustix::fs::fstat(&dir).map_err(|e| UpdateError::Io {
-            path: path.to_path_buf(),
-            op: "stat the store folder",
-            source: e.into(),
+        let st = rustix::fs::fstat(&dir).map_err(|e| {
+            UpdateError::Io(vabc_io::Error::new("stat the store folder", path, e.into()))
         })?;
         let me = rustix::process::geteuid().as_raw();
         if st.st_uid != me {
@@ -479,10 +470,8 @@ impl Store {
                 .recursive(true)
                 .mode(0o700)
                 .create(path)
-                .map_err(|e| UpdateError::Io {
-                    path: path.to_path_buf(),
-                    op: "create the store folder",
-                    source: e,
+                .map_err(|e| {
+                    UpdateError::Io(vabc_io::Error::new("create the store folder", path, e))
                 })?;
         }
         let store = Store::open(path)?;
@@ -508,11 +497,7 @@ impl Store {
     }
 
     fn io(&self, op: &'static str) -> impl FnOnce(rustix::io::Errno) -> UpdateError + '_ {
-        move |e| UpdateError::Io {
-            path: self.path.clone(),
-            op,
-            source: e.into(),
-        }
+        move |e| UpdateError::Io(vabc_io::Error::new(op, &self.path, e.into()))
     }
 
     /// Whether the store holds a file `name`.
@@ -534,20 +519,19 @@ impl Store {
             OFlags::RDONLY | OFlags::CLOEXEC | OFlags::NOFOLLOW | OFlags::NONBLOCK,
             Mode::empty(),
         )
-        .map_err(|e| UpdateError::Io {
-            path: path.clone(),
-            op: if e == rustix::io::Errno::LOOP {
-                "open (it is a symbolic link, which a store never holds)"
-            } else {
-                "open"
-            },
-            source: e.into(),
+        .map_err(|e| {
+            UpdateError::Io(vabc_io::Error::new(
+                if e == rustix::io::Errno::LOOP {
+                    "open (it is a symbolic link, which a store never holds)"
+                } else {
+                    "open"
+                },
+                &path,
+                e.into(),
+            ))
         })?;
-        let st = rustix::fs::fstat(&fd).map_err(|e| UpdateError::Io {
-            path: path.clone(),
-            op: "stat",
-            source: e.into(),
-        })?;
+        let st = rustix::fs::fstat(&fd)
+            .map_err(|e| UpdateError::Io(vabc_io::Error::new("stat", &path, e.into())))?;
         if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile {
             return Err(UpdateError::Refused {
                 path,
@@ -555,11 +539,8 @@ impl Store {
             });
         }
         // Blocking reads again (O_NONBLOCK only kept a planted FIFO from hanging open).
-        rustix::fs::fcntl_setfl(&fd, OFlags::empty()).map_err(|e| UpdateError::Io {
-            path: path.clone(),
-            op: "set flags",
-            source: e.into(),
-        })?;
+        rustix::fs::fcntl_setfl(&fd, OFlags::empty())
+            .map_err(|e| UpdateError::Io(vabc_io::Error::new("set flags", &path, e.into())))?;
         Ok(std::fs::File::from(fd))
     }
 
@@ -569,11 +550,7 @@ impl Store {
         let mut bytes = Vec::new();
         file.take(max + 1)
             .read_to_end(&mut bytes)
-            .map_err(|e| UpdateError::Io {
-                path: self.path.join(name),
-                op: "read",
-                source: e,
-            })?;
+            .map_err(|e| UpdateError::Io(vabc_io::Error::new("read", self.path.join(name), e)))?;
         if bytes.len() as u64 > max {
             return Err(UpdateError::Refused {
                 path: self.path.join(name),
@@ -595,24 +572,24 @@ impl Store {
             OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
             Mode::from_raw_mode(0o600),
         )
-        .map_err(|e| UpdateError::Io {
-            path: self.path.join(&tmp),
-            op: "create",
-            source: e.into(),
+        .map_err(|e| {
+            UpdateError::Io(vabc_io::Error::new(
+                "create",
+                self.path.join(&tmp),
+                e.into(),
+            ))
         })?;
         let mut f = std::fs::File::from(fd);
         f.write_all(bytes)
             .and_then(|()| f.sync_all())
-            .map_err(|e| UpdateError::Io {
-                path: self.path.join(&tmp),
-                op: "write",
-                source: e,
-            })?;
+            .map_err(|e| UpdateError::Io(vabc_io::Error::new("write", self.path.join(&tmp), e)))?;
         drop(f);
-        rustix::fs::renameat(&self.dir, &tmp, &self.dir, name).map_err(|e| UpdateError::Io {
-            path: self.path.join(name),
-            op: "rename into place",
-            source: e.into(),
+        rustix::fs::renameat(&self.dir, &tmp, &self.dir, name).map_err(|e| {
+            UpdateError::Io(vabc_io::Error::new(
+                "rename into place",
+                self.path.join(name),
+                e.into(),
+            ))
         })?;
         rustix::fs::fsync(&self.dir).map_err(self.io("fsync the store folder"))
     }
@@ -645,11 +622,11 @@ impl Store {
     pub fn remove(&self, name: &str) -> Result<()> {
         match rustix::fs::unlinkat(&self.dir, name, rustix::fs::AtFlags::empty()) {
             Ok(()) | Err(rustix::io::Errno::NOENT) => Ok(()),
-            Err(e) => Err(UpdateError::Io {
-                path: self.path.join(name),
-                op: "remove",
-                source: e.into(),
-            }),
+            Err(e) => Err(UpdateError::Io(vabc_io::Error::new(
+                "remove",
+                self.path.join(name),
+                e.into(),
+            ))),
         }
     }
 

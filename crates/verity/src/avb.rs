@@ -661,7 +661,7 @@ pub fn read_image_info(path: &Path) -> Result<ImageInfo> {
 /// [`read_image_info`] over any source of `image_size` bytes (`path` names it
 /// in errors): lets the fuzz target parse images without touching a disk.
 pub fn read_image_info_at(
-    file: &(impl crate::io::ReadAt + ?Sized),
+    file: &(impl vabc_io::ReadAt + ?Sized),
     image_size: u64,
     path: &Path,
 ) -> Result<ImageInfo> {
@@ -678,7 +678,7 @@ pub fn read_image_info_at(
             ));
         }
         let mut b = vec![0u8; len as usize];
-        crate::io::ReadAt::read_exact_at(file, &mut b, off)
+        vabc_io::ReadAt::read_exact_at(file, &mut b, off)
             .map_err(|e| Error::io("read", path, off, e))?;
         Ok(b)
     };

@@ -13,8 +13,8 @@ use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::hash::BlockHasher;
-use crate::io::{ReadAt, WriteAt};
 use crate::params::{Params, TreeLayout};
+use vabc_io::{ReadAt, WriteAt};
 
 /// Bytes read per chunk. Large enough to amortise per-chunk costs and keep both
 /// cores busy, small enough that two in flight are negligible memory.

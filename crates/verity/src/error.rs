@@ -10,15 +10,8 @@ use std::path::PathBuf;
 #[non_exhaustive]
 pub enum Error {
     /// An I/O call failed.
-    #[error("{op} {} at offset {offset}: {source}", path.display())]
-    Io {
-        /// What was being done ("read", "write", "open", ...).
-        op: &'static str,
-        path: PathBuf,
-        offset: u64,
-        #[source]
-        source: io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] vabc_io::Error),
 
     /// The parameters cannot describe a valid tree (bad block size, salt too long, ...).
     #[error("invalid verity parameters: {0}")]
@@ -122,12 +115,7 @@ impl Error {
         offset: u64,
         source: io::Error,
     ) -> Self {
-        Error::Io {
-            op,
-            path: path.to_path_buf(),
-            offset,
-            source,
-        }
+        Error::Io(vabc_io::Error::new(op, path, source).at(offset))
     }
 }
 

@@ -19,7 +19,6 @@ mod error;
 #[doc(hidden)]
 pub mod fuzzing;
 mod hash;
-mod io;
 mod params;
 mod sha256x2;
 mod superblock;
@@ -29,11 +28,11 @@ mod verify;
 pub use build::{Input, Progress, build_tree, build_tree_in_memory};
 pub use error::{Error, Result};
 pub use hash::{BlockHasher, MAX_DIGEST_SIZE};
-pub use io::{ReadAt, WriteAt};
 pub use params::{
     Format, HashAlgorithm, Level, MAX_BLOCK_SIZE, MAX_SALT_SIZE, MIN_BLOCK_SIZE, Params,
     SUPERBLOCK_SIZE, TreeLayout, tree_offset,
 };
 pub use superblock::{Superblock, format_uuid, parse_uuid, random_bytes, random_uuid};
+pub use vabc_io::{ReadAt, WriteAt};
 pub use verifier::BlockVerifier;
 pub use verify::{verify_in_memory, verify_levels, verify_tree};

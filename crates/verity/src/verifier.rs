@@ -11,8 +11,8 @@ use std::sync::OnceLock;
 
 use crate::error::{Error, Result};
 use crate::hash::{BlockHasher, MAX_DIGEST_SIZE};
-use crate::io::ReadAt;
 use crate::params::{Params, TreeLayout};
+use vabc_io::ReadAt;
 
 /// Checks single data blocks against a dm-verity tree. `Send + Sync`: share
 /// one (e.g. in an `Arc`) between all serving threads.

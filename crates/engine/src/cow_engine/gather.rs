@@ -405,15 +405,19 @@ impl CowEngine {
                     read_parts(file, offset, parts)?;
                 }
                 for (r, (is_cow, offset)) in results.into_iter().zip(whence) {
-                    r.map_err(|source| EngineError::Io {
-                        op: "read",
-                        path: if is_cow {
-                            self.cow_path.clone()
-                        } else {
-                            self.base.path().to_path_buf()
-                        },
-                        offset,
-                        source,
+                    r.map_err(|source| {
+                        EngineError::Io(
+                            vabc_io::Error::new(
+                                "read",
+                                if is_cow {
+                                    self.cow_path.clone()
+                                } else {
+                                    self.base.path().to_path_buf()
+                                },
+                                source,
+                            )
+                            .at(offset),
+                        )
                     })?;
                 }
                 return Ok(());

@@ -40,20 +40,12 @@ impl KernelTransport {
             .open(path)
             .map_err(|source| match source.kind() {
                 io::ErrorKind::NotFound => UblkError::NoDriver { path: path.into() },
-                _ => UblkError::Io {
-                    op: "open",
-                    path: path.into(),
-                    source,
-                },
+                _ => UblkError::Io(vabc_io::Error::new("open", path, source)),
             })?;
         // 128-byte SQEs: a control command is 32 bytes, more than the 16 of a plain SQE.
-        let ring = IoUring::<squeue::Entry128, cqueue::Entry>::builder()
-            .build(4)
-            .map_err(|source| UblkError::Io {
-                op: "set up io_uring for",
-                path: path.into(),
-                source,
-            })?;
+        let ring = vabc_io::ring::new::<squeue::Entry128, cqueue::Entry>(4).map_err(|source| {
+            UblkError::Io(vabc_io::Error::new("set up io_uring for", path, source))
+        })?;
         Ok(KernelTransport {
             ctrl,
             ring: Mutex::new(Some(ring)),
@@ -261,11 +253,7 @@ fn open_cdev(path: &Path) -> Result<File, UblkError> {
                 std::thread::sleep(Duration::from_millis(20));
             }
             Err(source) => {
-                return Err(UblkError::Io {
-                    op: "open",
-                    path: path.into(),
-                    source,
-                });
+                return Err(UblkError::Io(vabc_io::Error::new("open", path, source)));
             }
         }
     }
@@ -316,23 +304,23 @@ impl KernelQueue {
             )
         };
         if ptr == libc::MAP_FAILED {
-            return Err(UblkError::Io {
-                op: "map the I/O descriptors of",
+            return Err(UblkError::Io(vabc_io::Error::new(
+                "map the I/O descriptors of",
                 path,
-                source: io::Error::last_os_error(),
-            });
+                io::Error::last_os_error(),
+            )));
         }
-        let ring = IoUring::new(u32::from(depth).next_power_of_two());
+        let ring: io::Result<IoUring> = vabc_io::ring::new(u32::from(depth).next_power_of_two());
         let ring = match ring {
             Ok(r) => r,
             Err(source) => {
                 // SAFETY: unmapping the mapping made just above, not used anywhere else.
                 unsafe { libc::munmap(ptr, map_len) };
-                return Err(UblkError::Io {
-                    op: "set up io_uring for",
+                return Err(UblkError::Io(vabc_io::Error::new(
+                    "set up io_uring for",
                     path,
                     source,
-                });
+                )));
             }
         };
         Ok(KernelQueue {
@@ -377,10 +365,12 @@ impl KernelQueue {
     fn submit(&mut self, wait: bool) -> Result<(), UblkError> {
         engine::io_uring_enter(&mut self.ring, usize::from(wait))
             .map(drop)
-            .map_err(|source| UblkError::Io {
-                op: "submit queue commands to",
-                path: self.path.clone(),
-                source,
+            .map_err(|source| {
+                UblkError::Io(vabc_io::Error::new(
+                    "submit queue commands to",
+                    &self.path,
+                    source,
+                ))
             })
     }
 
@@ -422,10 +412,12 @@ impl QueueTransport for KernelQueue {
         if let Some(w) = &self.wake {
             return Ok(w.waker());
         }
-        let wake = RingWake::new().map_err(|source| UblkError::Io {
-            op: "create the wake-up eventfd of",
-            path: self.path.clone(),
-            source,
+        let wake = RingWake::new().map_err(|source| {
+            UblkError::Io(vabc_io::Error::new(
+                "create the wake-up eventfd of",
+                &self.path,
+                source,
+            ))
         })?;
         let (poll, waker) = (wake.poll(), wake.waker());
         self.wake = Some(wake);

@@ -78,13 +78,8 @@ pub enum UblkError {
          Linux 6.0 or later with CONFIG_BLK_DEV_UBLK) or serve with --nbd or --fuse instead"
     )]
     NoDriver { path: PathBuf },
-    #[error("ublk: {op} {path}: {source}")]
-    Io {
-        op: &'static str,
-        path: PathBuf,
-        #[source]
-        source: io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] vabc_io::Error),
     #[error("ublk: {cmd} for device {dev_id} failed: {source}")]
     Command {
         cmd: &'static str,
@@ -304,11 +299,11 @@ impl<T: UblkTransport> UblkDevice<T> {
                 Ok(r) => d.readahead = Some(Arc::new(r)),
                 Err(source) => {
                     let path = d.block_path();
-                    return Err(d.abort(UblkError::Io {
-                        op: "start the read-ahead threads of",
+                    return Err(d.abort(UblkError::Io(vabc_io::Error::new(
+                        "start the read-ahead threads of",
                         path,
                         source,
-                    }));
+                    ))));
                 }
             }
         }
@@ -380,11 +375,11 @@ impl<T: UblkTransport> UblkDevice<T> {
             });
         spawned.map_err(|source| {
             self.running.fetch_sub(1, Ordering::SeqCst);
-            UblkError::Io {
-                op: "spawn queue thread for",
-                path: self.block_path(),
+            UblkError::Io(vabc_io::Error::new(
+                "spawn queue thread for",
+                self.block_path(),
                 source,
-            }
+            ))
         })
     }
 

@@ -69,12 +69,14 @@ impl BlockDevice for Probe {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> engine::Result<()> {
         self.reads.fetch_add(1, Ordering::SeqCst);
         if self.fail_reads {
-            return Err(EngineError::Io {
-                op: "read",
-                path: "probe.img".into(),
-                offset,
-                source: std::io::Error::from_raw_os_error(libc::EIO),
-            });
+            return Err(EngineError::Io(
+                vabc_io::Error::new(
+                    "read",
+                    "probe.img",
+                    std::io::Error::from_raw_os_error(libc::EIO),
+                )
+                .at(offset),
+            ));
         }
         self.inner.read_at(buf, offset)
     }

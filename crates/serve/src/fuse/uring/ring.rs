@@ -73,11 +73,7 @@ pub(crate) fn set_sqe_len(sqe: &mut squeue::Entry128, len: u32) {
 fn build_ring(entries: u32) -> io::Result<Ring> {
     // One thread owns the ring: the kernel may then run the request hand-over (task
     // work) only when we wait for completions, instead of interrupting us.
-    IoUring::<squeue::Entry128, cqueue::Entry>::builder()
-        .setup_single_issuer()
-        .setup_defer_taskrun()
-        .build(entries)
-        .or_else(|_| IoUring::<squeue::Entry128, cqueue::Entry>::builder().build(entries))
+    vabc_io::ring::for_one_thread(entries)
 }
 
 pub(crate) fn pin_to_cpu(cpu: usize) -> io::Result<()> {
