@@ -249,6 +249,51 @@ pub(crate) struct WireResumePoint {
     pub op_index: U64,
 }
 
+/// One entry of the scratch area's metadata (AOSP's `ScratchMetadata`), at
+/// `header_size + 1`, packed: the block a saved copy is for, and the copy's absolute
+/// offset in the COW file. The list ends with an all-zero entry.
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    FromBytes,
+    IntoBytes,
+    KnownLayout,
+    Immutable,
+    Unaligned,
+)]
+#[repr(C)]
+pub struct ScratchEntry {
+    /// The new image's block the copy is for.
+    pub new_block: U64,
+    /// Absolute offset of the 4 KiB copy in the COW file.
+    pub file_offset: U64,
+}
+
+/// Where the header keeps `num_merge_ops`, the merge's durable progress (the merge
+/// rewrites it, and only it, in the header).
+pub const NUM_MERGE_OPS_OFFSET: usize = std::mem::offset_of!(WireHeader, num_merge_ops);
+
+/// `num_merge_ops` of a header's bytes (`head` holds at least the v1 header).
+pub fn num_merge_ops(head: &[u8]) -> Option<u64> {
+    let at = head.get(NUM_MERGE_OPS_OFFSET..NUM_MERGE_OPS_OFFSET + size_of::<U64>())?;
+    U64::read_from_bytes(at).ok().map(U64::get)
+}
+
+/// Sets `num_merge_ops` in a header's bytes; `false` when `head` is too short.
+pub fn set_num_merge_ops(head: &mut [u8], n: u64) -> bool {
+    match head.get_mut(NUM_MERGE_OPS_OFFSET..NUM_MERGE_OPS_OFFSET + size_of::<U64>()) {
+        Some(at) => {
+            at.copy_from_slice(U64::new(n).as_bytes());
+            true
+        }
+        None => false,
+    }
+}
+
 // The sizes §2 fixes: a struct that drifts from them does not build.
 const _: () = {
     assert!(size_of::<WireHeader>() == HEADER_SIZE_V3 as usize);
@@ -257,6 +302,7 @@ const _: () = {
     assert!(size_of::<WireFooterV2>() == FOOTER_SIZE_V2 as usize);
     assert!(size_of::<WireOpV3>() == OP_SIZE_V3 as usize);
     assert!(size_of::<WireResumePoint>() == RESUME_POINT_SIZE);
+    assert!(size_of::<ScratchEntry>() == 16);
 };
 
 /// Sequence data (a v2 SEQUENCE op's payload, the v3 sequence buffer) as it
@@ -339,7 +385,7 @@ impl Header {
     /// writer left it (a writer leaves both zero), so a hash of the file with
     /// these ranges taken as zeros identifies a COW through its merge.
     pub fn merge_written_ranges(&self) -> [std::ops::Range<u64>; 2] {
-        let merge_ops = std::mem::offset_of!(WireHeader, num_merge_ops) as u64;
+        let merge_ops = NUM_MERGE_OPS_OFFSET as u64;
         [
             merge_ops..merge_ops + size_of::<U64>() as u64,
             u64::from(self.header_size)..self.payload_start(),

@@ -47,7 +47,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, mpsc};
 use std::time::Instant;
 
-use cow::format::{BLOCK_SIZE, BLOCK_SIZE_U64};
+use cow::format::{BLOCK_SIZE, BLOCK_SIZE_U64, ScratchEntry};
 use cow::view::xor_into;
 use cow::{CowReader, Op, OpKind};
 
@@ -55,6 +55,7 @@ use crate::error::{MergeError, Result};
 use crate::io::{Dev, IoStats, MergeIo};
 use crate::status::MergeStatus;
 use engine::{AlignedBuf, DIRECT_ALIGN};
+use zerocopy::{FromBytes, IntoBytes};
 
 mod early;
 mod prepare;
@@ -67,7 +68,7 @@ pub const STATE_IN_PROGRESS: u8 = 1;
 pub const STATE_DONE: u8 = 2;
 
 /// Scratch entry: new_block u64, file_offset u64.
-const META_ENTRY: usize = 16;
+const META_ENTRY: usize = size_of::<ScratchEntry>();
 
 /// "No op" in per-op and per-block tables of op indices.
 const NONE: u32 = u32::MAX;
@@ -373,11 +374,13 @@ impl<'a> Merge<'a> {
         Ok(self.parse_progress(&head))
     }
 
-    /// `num_merge_ops` (header offset 26) and the state byte after the header.
+    /// `num_merge_ops` and the state byte after the header (`head` holds both: it
+    /// is `header_size + 1` bytes or more).
     fn parse_progress(&self, head: &[u8]) -> (u64, u8) {
-        let mut n = [0u8; 8];
-        n.copy_from_slice(&head[26..34]);
-        (u64::from_le_bytes(n), head[self.header_size])
+        (
+            cow::format::num_merge_ops(head).unwrap_or(0),
+            head[self.header_size],
+        )
     }
 
     /// The window starting at ordered op `pos`: its length, and whether it is
@@ -862,9 +865,11 @@ impl<'a> Merge<'a> {
         // already holds, so a torn write cannot publish anything.
         let mut at = self.meta_off as usize;
         for (i, op) in self.order[pos..pos + n].iter().enumerate() {
-            head[at..at + 8].copy_from_slice(&op.new_block.to_le_bytes());
-            head[at + 8..at + 16]
-                .copy_from_slice(&(self.data_off + (i * BLOCK_SIZE) as u64).to_le_bytes());
+            let entry = ScratchEntry {
+                new_block: op.new_block.into(),
+                file_offset: (self.data_off + (i * BLOCK_SIZE) as u64).into(),
+            };
+            head[at..at + META_ENTRY].copy_from_slice(entry.as_bytes());
             at += META_ENTRY;
         }
         head[at..at + META_ENTRY].fill(0);
@@ -931,10 +936,8 @@ impl<'a> Merge<'a> {
             .map_err(|e| self.cow_io("read scratch metadata", self.meta_off, e))?;
         let mut n = 0;
         for (i, e) in meta.chunks_exact(META_ENTRY).enumerate() {
-            let (mut b, mut o) = ([0u8; 8], [0u8; 8]);
-            b.copy_from_slice(&e[..8]);
-            o.copy_from_slice(&e[8..]);
-            let (block, off) = (u64::from_le_bytes(b), u64::from_le_bytes(o));
+            let e = ScratchEntry::read_from_bytes(e).unwrap_or_default();
+            let (block, off) = (e.new_block.get(), e.file_offset.get());
             if block == 0 && off == 0 {
                 break;
             }
@@ -1159,7 +1162,7 @@ impl<'a> Merge<'a> {
     /// `num_merge_ops = pos`, `read_ahead_state = 1`: one write of the
     /// header page (the header and the state byte share it), then sync.
     fn commit(&self, io: &mut dyn MergeIo, head: &mut [u8], pos: u64) -> Result<()> {
-        head[26..34].copy_from_slice(&pos.to_le_bytes());
+        cow::format::set_num_merge_ops(head, pos);
         head[self.header_size] = STATE_IN_PROGRESS;
         io.write_and_sync(Dev::Cow, &[(0, self.header_page(head))])
             .map_err(|e| self.cow_io("commit header", 0, e))?;
