@@ -30,6 +30,7 @@ pub mod error;
 pub mod install;
 pub mod output;
 pub mod progress;
+pub mod serving;
 pub mod trees;
 pub mod trust;
 

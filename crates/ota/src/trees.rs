@@ -215,3 +215,386 @@ pub fn install_hashfile(
     }
     Ok(path)
 }
+
+/// A tree's parameters as `veritysetup` takes them (its option names in messages),
+/// shared by `format`, `verify` and serving with a hash file. `None` is the default.
+#[derive(Debug, Clone, Default)]
+pub struct TreeOptions {
+    /// Hash algorithm: sha256 (default), sha1 or sha512.
+    pub hash: Option<String>,
+    /// Salt as hex, or "-" for none. Default for format: 32 random bytes.
+    pub salt: Option<String>,
+    /// Data block size in bytes (default 4096).
+    pub data_block_size: Option<u32>,
+    /// Hash block size in bytes (default 4096).
+    pub hash_block_size: Option<u32>,
+    /// Data blocks to protect (default: every whole block of the data).
+    pub data_blocks: Option<u64>,
+    /// No superblock: the tree starts at the hash offset and every parameter is given.
+    pub no_superblock: bool,
+    /// Byte offset of the superblock (or tree) in the hash file; a multiple of 512.
+    pub hash_offset: u64,
+    /// Hash format: 1 (default) or 0 (the original Chrome OS format).
+    pub format: Option<u32>,
+}
+
+impl TreeOptions {
+    /// Whether any option differs from its default.
+    pub fn any_given(&self) -> bool {
+        self.hash.is_some()
+            || self.salt.is_some()
+            || self.data_block_size.is_some()
+            || self.hash_block_size.is_some()
+            || self.data_blocks.is_some()
+            || self.no_superblock
+            || self.hash_offset != 0
+            || self.format.is_some()
+    }
+
+    /// Byte offset of the tree itself in the hash file (past any superblock).
+    pub fn tree_offset(&self, params: &Params) -> u64 {
+        verity::tree_offset(
+            self.hash_offset,
+            !self.no_superblock,
+            params.hash_block_size,
+        )
+    }
+
+    fn check_offset(&self) -> Result<()> {
+        if !self.hash_offset.is_multiple_of(512) {
+            invalid!(
+                "--hash-offset {} is not a multiple of 512",
+                self.hash_offset
+            );
+        }
+        Ok(())
+    }
+
+    /// Parameters from the options alone; `default_salt` supplies the salt when none
+    /// is given.
+    fn params(
+        &self,
+        data_len: u64,
+        default_salt: impl FnOnce() -> Result<Vec<u8>>,
+    ) -> Result<Params> {
+        let algorithm: HashAlgorithm = self.hash.as_deref().unwrap_or("sha256").parse()?;
+        let format = Format::from_u32(self.format.unwrap_or(1))?;
+        let data_block_size = self.data_block_size.unwrap_or(4096);
+        let hash_block_size = self.hash_block_size.unwrap_or(4096);
+        let salt = match &self.salt {
+            Some(s) => parse_salt(s)?,
+            None => default_salt()?,
+        };
+        let whole = data_len / u64::from(data_block_size.max(1));
+        let data_blocks = self.data_blocks.unwrap_or(whole);
+        let p = Params {
+            format,
+            algorithm,
+            data_block_size,
+            hash_block_size,
+            data_blocks,
+            salt,
+        };
+        p.validate()?;
+        if data_blocks > whole {
+            invalid!(
+                "data device has {data_len} bytes, {whole} whole blocks of {data_block_size}, \
+                 fewer than the {data_blocks} to protect"
+            );
+        }
+        Ok(p)
+    }
+
+    /// The tree parameters for checking `data` (of `data_len` bytes) against the hash
+    /// area of `hashfile` (`hash_file`, `hash_len` bytes) at the hash offset: from its
+    /// superblock (options given alongside must agree with it) or, without one, from
+    /// the options.
+    pub fn resolve(
+        &self,
+        hashfile: &Path,
+        hash_file: &File,
+        hash_len: u64,
+        data: &Path,
+        data_len: u64,
+    ) -> Result<Params> {
+        self.check_offset()?;
+        if self.no_superblock {
+            if self.salt.is_none() {
+                invalid!("--salt is required with --no-superblock (\"-\" for none)");
+            }
+            return self.params(data_len, || Ok(Vec::new()));
+        }
+        let mut b = vec![0u8; verity::SUPERBLOCK_SIZE as usize];
+        if hash_len < self.hash_offset + verity::SUPERBLOCK_SIZE {
+            return Err(verity::Error::Truncated {
+                path: hashfile.to_path_buf(),
+                what: format!("a superblock at offset {}", self.hash_offset),
+                needed: self.hash_offset + verity::SUPERBLOCK_SIZE,
+                actual: hash_len,
+            }
+            .into());
+        }
+        hash_file
+            .read_exact_at(&mut b, self.hash_offset)
+            .map_err(|e| {
+                crate::Error::io(
+                    format!("read at offset {} of", self.hash_offset),
+                    hashfile,
+                    e,
+                )
+            })?;
+        let p = Superblock::decode(&b, hashfile, self.hash_offset)?.params;
+        // Options given alongside a superblock must agree with it.
+        let conflicts = [
+            (
+                "--hash",
+                self.hash
+                    .as_ref()
+                    .map(|h| h.to_ascii_lowercase() != p.algorithm.name()),
+            ),
+            (
+                "--data-block-size",
+                self.data_block_size.map(|v| v != p.data_block_size),
+            ),
+            (
+                "--hash-block-size",
+                self.hash_block_size.map(|v| v != p.hash_block_size),
+            ),
+            (
+                "--data-blocks",
+                self.data_blocks.map(|v| v != p.data_blocks),
+            ),
+            ("--format", self.format.map(|v| v != p.format.as_u32())),
+            (
+                "--salt",
+                self.salt
+                    .as_ref()
+                    .map(|s| parse_salt(s).map_or(true, |s| s != p.salt)),
+            ),
+        ];
+        if let Some((opt, _)) = conflicts.iter().find(|(_, c)| *c == Some(true)) {
+            invalid!(
+                "{opt} differs from the superblock of {} at offset {}",
+                hashfile.display(),
+                self.hash_offset
+            );
+        }
+        if data_len / u64::from(p.data_block_size) < p.data_blocks {
+            return Err(verity::Error::Truncated {
+                path: data.to_path_buf(),
+                what: format!("{} data blocks of {}", p.data_blocks, p.data_block_size),
+                needed: p.data_size(),
+                actual: data_len,
+            }
+            .into());
+        }
+        Ok(p)
+    }
+}
+
+/// What [`format`] wrote.
+#[derive(Debug, Clone)]
+pub struct FormatOutcome {
+    /// The tree, its root hash and parameters (`uuid` is zero without a superblock).
+    pub tree: Formatted,
+    /// Whether a superblock was written.
+    pub superblock: bool,
+    /// Where the tree starts in the hash file.
+    pub tree_offset: u64,
+    /// Where the hash area ends in the hash file.
+    pub end: u64,
+}
+
+/// Builds the tree of `data` into `hashfile` as `veritysetup format` does with the same
+/// options (and the same bytes). A hash file that is a device is written in place; a
+/// file goes to a temporary file renamed into place, keeping what precedes the hash
+/// offset of an existing one and its mode. `uuid` is the superblock's (random if
+/// `None`).
+pub fn format(
+    data: &Path,
+    hashfile: &Path,
+    o: &TreeOptions,
+    uuid: Option<&str>,
+) -> Result<FormatOutcome> {
+    o.check_offset()?;
+    let data_file = File::open(data).map_err(|e| crate::Error::io("open data", data, e))?;
+    let data_len = cow::view::file_size(&data_file, data)?;
+    let params = o.params(data_len, || Ok(verity::random_bytes(32)?))?;
+    let layout = params.layout()?;
+    let superblock = !o.no_superblock;
+    if !superblock
+        && !o
+            .hash_offset
+            .is_multiple_of(u64::from(params.hash_block_size))
+    {
+        invalid!(
+            "--hash-offset {} is not a multiple of the hash block size {} (needed without a superblock)",
+            o.hash_offset,
+            params.hash_block_size
+        );
+    }
+    let uuid = match (uuid, superblock) {
+        (Some(u), _) => Some(verity::parse_uuid(u)?),
+        (None, true) => Some(verity::random_uuid()?),
+        (None, false) => None,
+    };
+    let tree_off = verity::tree_offset(o.hash_offset, superblock, params.hash_block_size);
+    let end = tree_off + layout.tree_size();
+    let existing = std::fs::metadata(hashfile).ok();
+    refuse_overlap(existing.as_ref(), &data_file, data, hashfile, o, &params)?;
+
+    let write_tree = |out: &File, out_name: &Path| -> Result<Vec<u8>> {
+        if let Some(uuid) = uuid {
+            let sb = Superblock {
+                params: params.clone(),
+                uuid,
+            };
+            let mut area = sb.encode().to_vec();
+            // Zero the gap up to the tree so a reused file carries no stale bytes.
+            area.resize(
+                (tree_off - o.hash_offset).max(verity::SUPERBLOCK_SIZE) as usize,
+                0,
+            );
+            out.write_all_at(&area, o.hash_offset).map_err(|e| {
+                crate::Error::io(
+                    format!("write the superblock at offset {} to", o.hash_offset),
+                    out_name,
+                    e,
+                )
+            })?;
+        }
+        let input = Input {
+            reader: &data_file,
+            name: data,
+            len: data_len,
+        };
+        let mut w = out;
+        Ok(verity::build_tree(
+            input, &params, &mut w, out_name, tree_off, None,
+        )?)
+    };
+    let root = match &existing {
+        // Devices are written in place: there is nothing to rename.
+        Some(md) if !md.file_type().is_file() => {
+            let f = File::options()
+                .read(true)
+                .write(true)
+                .open(hashfile)
+                .map_err(|e| crate::Error::io("open for writing", hashfile, e))?;
+            let len = cow::view::file_size(&f, hashfile)?;
+            if len < end {
+                invalid!(
+                    "{} has {len} bytes, the hash area needs {end}",
+                    hashfile.display()
+                );
+            }
+            let root = write_tree(&f, hashfile)?;
+            f.sync_all()
+                .map_err(|e| crate::Error::io("sync", hashfile, e))?;
+            root
+        }
+        _ => {
+            let tmp = crate::output::temp_beside(hashfile)?;
+            if existing.is_some() && o.hash_offset > 0 {
+                // Keep what precedes the hash area (e.g. the data itself when the
+                // tree is appended to the image).
+                std::fs::copy(hashfile, tmp.path()).with_context(|| {
+                    format!("copy {} to {}", hashfile.display(), tmp.path().display())
+                })?;
+            }
+            let root = write_tree(tmp.as_file(), tmp.path())?;
+            // Never shorten a file that was longer, never leave one shorter than the area.
+            let cur = tmp
+                .as_file()
+                .metadata()
+                .context("stat temporary file")?
+                .len();
+            if cur < end {
+                tmp.as_file()
+                    .set_len(end)
+                    .context("extend temporary file")?;
+            }
+            if let Some(md) = &existing {
+                // A replaced file keeps its mode; a new one gets tempfile's 0600, as
+                // veritysetup's does.
+                tmp.as_file()
+                    .set_permissions(md.permissions())
+                    .context("copy permissions to the temporary file")?;
+            }
+            crate::output::commit(tmp, hashfile)?;
+            root
+        }
+    };
+    Ok(FormatOutcome {
+        tree: Formatted {
+            hash_blocks: layout.hash_blocks,
+            params,
+            root,
+            uuid: uuid.unwrap_or_default(),
+        },
+        superblock,
+        tree_offset: tree_off,
+        end,
+    })
+}
+
+/// The hash area must not overwrite the data it protects.
+fn refuse_overlap(
+    existing: Option<&std::fs::Metadata>,
+    data_file: &File,
+    data: &Path,
+    hashfile: &Path,
+    o: &TreeOptions,
+    params: &Params,
+) -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let data_md = data_file
+        .metadata()
+        .map_err(|e| crate::Error::io("stat", data, e))?;
+    if let Some(md) = existing
+        && md.dev() == data_md.dev()
+        && md.ino() == data_md.ino()
+        && o.hash_offset < params.data_size()
+    {
+        invalid!(
+            "{} is the data file and --hash-offset {} lies inside the {} protected bytes",
+            hashfile.display(),
+            o.hash_offset,
+            params.data_size()
+        );
+    }
+    Ok(())
+}
+
+/// Checks every block of `data` against the tree in `hashfile` and the root hash
+/// `root`, as `veritysetup verify` does. `Ok(Err(e))` is a tree that does not match
+/// (`e.is_integrity_error()`); `Err` is a failure to check at all.
+pub fn verify(
+    data: &Path,
+    hashfile: &Path,
+    root: &[u8],
+    o: &TreeOptions,
+) -> Result<std::result::Result<Params, verity::Error>> {
+    o.check_offset()?;
+    let data_file = File::open(data).map_err(|e| crate::Error::io("open data", data, e))?;
+    let data_len = cow::view::file_size(&data_file, data)?;
+    let hash_file = File::open(hashfile).map_err(|e| crate::Error::io("open", hashfile, e))?;
+    let hash_len = cow::view::file_size(&hash_file, hashfile)?;
+    let params = o.resolve(hashfile, &hash_file, hash_len, data, data_len)?;
+    let tree_off = o.tree_offset(&params);
+    let data_in = Input {
+        reader: &data_file,
+        name: data,
+        len: data_len,
+    };
+    let hash_in = Input {
+        reader: &hash_file,
+        name: hashfile,
+        len: hash_len,
+    };
+    match verity::verify_tree(data_in, &params, hash_in, tree_off, root, None) {
+        Ok(()) => Ok(Ok(params)),
+        Err(e) if e.is_integrity_error() => Ok(Err(e)),
+        Err(e) => Err(e.into()),
+    }
+}

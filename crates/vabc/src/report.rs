@@ -76,7 +76,7 @@ pub fn schemas() -> Vec<(&'static str, serde_json::Value)> {
             schema_for!(Report<manifest::ManifestReport<'static>>),
         ),
         ("merge", schema_for!(Report<merge::MergeReport<'static>>)),
-        ("serve-ready", schema_for!(Report<serve::ReadyReport>)),
+        ("serve-ready", schema_for!(Report<ota::serving::Ready>)),
         ("trace-record", schema_for!(Report<trace::TraceReport>)),
         ("trace-report", schema_for!(Report<trace::TraceReport>)),
         (

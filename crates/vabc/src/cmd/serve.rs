@@ -9,10 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use engine::{BlockDevice, CowEngine, CowEngineOptions};
-use serve::fuse::{FuseExport, FuseOptions};
-use serve::mount::{FsType, MountOptions, MountStack};
-use serve::nbd::{NbdAddr, NbdOptions, NbdServer};
+use serve::mount::FsType;
 
 /// Default of `--fuse-uring-poll`, in the flag's unit.
 const DEFAULT_POLL_US: u64 = serve::fuse::uring::DEFAULT_POLL.as_micros() as u64;
@@ -200,57 +197,6 @@ pub enum FuseTransport {
     Classic,
 }
 
-/// Whether the FUSE export goes over io_uring. Asked for explicitly, the rings must be
-/// available; `auto` falls back to /dev/fuse, saying so when root could switch them on.
-fn use_fuse_uring(args: &Args) -> anyhow::Result<bool> {
-    let wants_fuse = args.fuse.is_some() || args.mount.is_some();
-    let how = match args.fuse_uring {
-        true => FuseTransport::Uring,
-        false => args.fuse_transport,
-    };
-    match how {
-        FuseTransport::Classic => Ok(false),
-        FuseTransport::Uring => {
-            if !wants_fuse {
-                bail!(
-                    "FUSE over io_uring (--fuse-transport uring, --fuse-uring) needs --fuse DIR or --mount TARGET"
-                );
-            }
-            serve::fuse::uring::check_enabled()?;
-            serve::fuse::uring::rings_usable()?;
-            Ok(true)
-        }
-        FuseTransport::Auto if !wants_fuse => Ok(false),
-        FuseTransport::Auto => {
-            use serve::fuse::uring::UringSupport;
-            match serve::fuse::uring::support() {
-                Ok(UringSupport::Enabled) => match serve::fuse::uring::rings_usable() {
-                    Ok(()) => Ok(true),
-                    Err(e) => {
-                        log::info!("vabc serve: {e}; the export answers through /dev/fuse");
-                        Ok(false)
-                    }
-                },
-                // Off is the kernel's default: say once what it costs and how to change it.
-                Ok(UringSupport::Disabled) => {
-                    log::info!(
-                        "vabc serve: FUSE over io_uring is switched off in the kernel, so \
-                         the export answers through /dev/fuse (`echo Y > {}` as root \
-                         enables the faster rings)",
-                        serve::fuse::uring::ENABLE_PARAM
-                    );
-                    Ok(false)
-                }
-                Ok(UringSupport::Absent) => Ok(false),
-                Err(e) => {
-                    log::info!("vabc serve: {e}; the export answers through /dev/fuse");
-                    Ok(false)
-                }
-            }
-        }
-    }
-}
-
 fn parse_mode(s: &str) -> Result<u32, String> {
     u32::from_str_radix(s, 8)
         .ok()
@@ -263,24 +209,106 @@ fn parse_fstype(s: &str) -> Result<FsType, String> {
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
-    run_with(args, None)
+    run_with(Run::from_args(&args)?, None)
 }
 
-/// Starts a merge that waits for a word from elsewhere (`vabc update mark-good`), and
-/// hears when it completed.
-pub(crate) struct MergeTrigger {
-    /// Polled while serving: true once the merge should start.
-    pub start: Box<dyn FnMut() -> bool + Send>,
-    /// Called once, when the merge has completed.
-    pub done: Box<dyn FnMut() -> anyhow::Result<()> + Send>,
-    /// Checks each block of a published scratch window before it is served or
-    /// written ([`merge::Merge::with_scratch_check`]).
-    pub scratch_check: Option<merge::BlockCheck>,
+/// One run of `vabc serve`: what to serve, and what the command does around it.
+pub(crate) struct Run {
+    pub req: ota::serving::ServeRequest,
+    pub ready_file: Option<PathBuf>,
+    pub stats: bool,
+    pub queue_delays: Option<PathBuf>,
+    pub trace: Option<PathBuf>,
 }
 
-/// `vabc serve` with a [`MergeTrigger`] (the update daemon's): the merge is made
-/// ready, its files opened, before serving starts, and started when the trigger says.
-pub(crate) fn run_with(args: Args, trigger: Option<MergeTrigger>) -> anyhow::Result<ExitCode> {
+impl Run {
+    fn from_args(args: &Args) -> anyhow::Result<Run> {
+        use ota::serving::{FuseTransport as T, NbdSettings, ServeRequest, VerityRequest};
+        let mut req = ServeRequest::new(args.base.clone(), args.cow.clone());
+        req.size = args.size;
+        req.manifest = args.check.manifest.clone();
+        req.no_base_check = args.check.no_base_check;
+        req.fuse = args.fuse.clone();
+        req.fuse_transport = match (args.fuse_uring, args.fuse_transport) {
+            (true, _) | (false, FuseTransport::Uring) => T::Uring,
+            (false, FuseTransport::Auto) => T::Auto,
+            (false, FuseTransport::Classic) => T::Classic,
+        };
+        req.fuse_uring_poll = Duration::from_micros(args.fuse_uring_poll);
+        req.fuse_threads = args.fuse_threads;
+        req.loop_dev = args.loop_dev;
+        req.mount = args.mount.clone();
+        req.fstype = args.fstype;
+        req.nbd = args.nbd.clone();
+        req.nbd_settings = NbdSettings {
+            export_name: args.export_name.clone(),
+            max_connections: args.nbd_max_connections,
+            handshake_timeout: Duration::from_secs(args.nbd_handshake_timeout),
+            idle_timeout: (args.nbd_idle_timeout > 0)
+                .then(|| Duration::from_secs(args.nbd_idle_timeout)),
+            write_timeout: Duration::from_secs(args.nbd_write_timeout),
+            socket_mode: args.nbd_socket_mode.unwrap_or(0o600),
+            tls: args.nbd_tls_cert.clone().zip(args.nbd_tls_key.clone()),
+            tls_verify_peer: args.nbd_tls_verify_peer.clone(),
+        };
+        req.ublk = args.ublk;
+        req.ublk_queues = args.ublk_queues;
+        req.ublk_depth = args.ublk_depth;
+        req.workers = args.workers;
+        req.decode_threads = args.decode_threads;
+        req.decode_pool = args.decode_pool;
+        req.io_threads = args.io_threads;
+        req.cache_bytes = args.cache_mib << 20;
+        req.buffered = args.buffered;
+        req.sample_queue_delays = args.queue_delays.is_some();
+        req.verity = args.verity_hash.clone().map(|hashfile| VerityRequest {
+            hashfile,
+            root_hash: args.root_hash.clone().unwrap_or_default(),
+            tree: (&args.verity).into(),
+        });
+        req.tree_options_without_tree = ota::trees::TreeOptions::from(&args.verity).any_given();
+        req.merge = args.merge;
+        Ok(Run {
+            req,
+            ready_file: args.ready_file.clone(),
+            stats: args.stats,
+            queue_delays: args.queue_delays.clone(),
+            trace: args.trace.clone(),
+        })
+    }
+}
+
+/// A report left by an earlier run must not be taken for this one's readiness, and
+/// its folder must be there before serving starts, not found missing once a device
+/// is up (a unit without RuntimeDirectory=, a typo).
+fn clear_ready_file(p: &std::path::Path) -> anyhow::Result<()> {
+    match std::fs::remove_file(p) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => {
+            return Err(e).with_context(|| format!("remove the old ready report {}", p.display()));
+        }
+    }
+    let dir = p.parent().filter(|d| !d.as_os_str().is_empty());
+    if let Some(dir) = dir
+        && !dir.is_dir()
+    {
+        bail!(
+            "--ready-file {}: the folder {} does not exist; create it first (a systemd \
+             unit: RuntimeDirectory=)",
+            p.display(),
+            dir.display()
+        );
+    }
+    Ok(())
+}
+
+/// `vabc serve` with a merge `trigger` (the update daemon's): the merge is made ready,
+/// its files opened, before serving starts, and started when the trigger says.
+pub(crate) fn run_with(
+    run: Run,
+    trigger: Option<ota::serving::MergeTrigger>,
+) -> anyhow::Result<ExitCode> {
     // Signals first, so one arriving during set-up still ends in a clean tear-down.
     let stop = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
@@ -289,64 +317,26 @@ pub(crate) fn run_with(args: Args, trigger: Option<MergeTrigger>) -> anyhow::Res
     let report = Arc::new(AtomicBool::new(false));
     signal_hook::flag::register(signal_hook::consts::SIGUSR1, report.clone())
         .context("install signal handler")?;
-    let pre = Preflight::check(&args)?;
-    // Best effort, and nothing a user can act on when it is refused (it needs
-    // CAP_SYS_RESOURCE, which containers often drop): no message.
-    let _ = serve::set_io_flusher();
-
-    let (progress, manifest) = check_before_serving(&args)?;
-    let opts = CowEngineOptions {
-        size: args.size.or(manifest.as_ref().map(|m| m.new.size)),
-        cache_bytes: args.cache_mib << 20,
-        decode_threads: args.decode_threads,
-        decode_pool: args.decode_pool,
-        direct_io: !args.buffered,
-        io_threads: args.io_threads,
-    };
-    let mut engine = CowEngine::open(&args.base, &args.cow, &opts).with_context(|| {
-        format!(
-            "cannot serve {} + {}",
-            args.base.display(),
-            args.cow.display()
-        )
-    })?;
-    // Even without --merge, a COW that is partly merged (an interrupted merge)
-    // must be served through its merge state: merged sources may be gone.
-    let merge_job = MergeJob::prepare(
-        &args,
-        &mut engine,
-        progress.started(),
-        manifest.as_ref(),
-        trigger.is_some(),
-        trigger.as_ref().and_then(|t| t.scratch_check.clone()),
-    )?;
-    let size = engine.size();
-    if let Some(check) = open_verity(&args, size)? {
-        engine.set_verifier(check);
+    if let Some(p) = &run.ready_file {
+        clear_ready_file(p)?;
     }
-    if args.queue_delays.is_some() {
-        engine.stats().queue_delays.sample();
-    }
-    let engine = Arc::new(engine);
-    let stats = Stats {
-        engine: engine.clone(),
-        fuse: Arc::default(),
-        nbd: Arc::default(),
-        ublk: Arc::default(),
-        readahead: Arc::default(),
-    };
+    let mut say = |m: &str| println!("vabc serve: {m}");
+    let prepared = ota::serving::prepare(&run.req, trigger.as_ref(), &mut say)?;
+    let size = prepared.size();
     // Started before the frontends, so the served device's first requests are in it.
-    let recorder = match &args.trace {
+    let recorder = match &run.trace {
         Some(prefix) => Some(super::trace::Timeline::start(prefix)?),
         None => None,
     };
-    let fronts = Frontends::start(&args, pre, engine, &stats)?;
-    if let Some(path) = &args.ready_file {
-        fronts.write_ready_report(path, size)?;
+    let server = prepared.start(&mut say)?;
+    if let Some(path) = &run.ready_file {
+        let text = serde_json::to_string_pretty(&crate::report::Report::new(server.ready()))?;
+        ota::output::write_atomic(path, format!("{text}\n").as_bytes())
+            .with_context(|| format!("write the ready report {}", path.display()))?;
     }
     // What `vabc cleanup` removes should this process be killed; deleted (on drop)
     // after the tear-down below.
-    let record = fronts.leftovers()?;
+    let record = server.leftovers()?;
     let record_file = match record == serve::leftovers::Record::for_self()? {
         true => None, // NBD only: nothing in the kernel to leave behind
         false => Some(record.write(&serve::leftovers::run_dir())?),
@@ -361,20 +351,18 @@ pub(crate) fn run_with(args: Args, trigger: Option<MergeTrigger>) -> anyhow::Res
     use std::io::Write;
     let _ = std::io::stdout().flush();
 
-    let merge_job = match (merge_job, &trigger) {
-        (Some(job), _) if args.merge => Some(MergeJob::start(job)),
-        (Some(job), Some(_)) => Some(job),
-        _ => None,
-    };
-    let ended = fronts.serve_until_stopped(merge_job, trigger, &stop, &report, &stats);
-
+    let ended = server.serve_until_stopped(trigger, &stop, &mut |stats| {
+        if report.swap(false, Ordering::Relaxed) {
+            print_stats(stats);
+        }
+    });
     let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
-    let result = fronts.stop();
-    if args.stats {
-        stats.print();
+    let (result, stats) = ended.server.stop();
+    if run.stats {
+        print_stats(&stats);
     }
-    if let Some(path) = &args.queue_delays {
-        let samples = stats.engine.stats().queue_delays.take_samples();
+    if let Some(path) = &run.queue_delays {
+        let samples = stats.engine().stats().queue_delays.take_samples();
         let text: String = samples
             .iter()
             .map(|(at, ns)| format!("{at} {ns}\n"))
@@ -394,722 +382,29 @@ pub(crate) fn run_with(args: Args, trigger: Option<MergeTrigger>) -> anyhow::Res
     }
     result?;
     // The report described a device that is gone now.
-    if let Some(p) = &args.ready_file {
+    if let Some(p) = &run.ready_file {
         let _ = std::fs::remove_file(p);
     }
     match ended.lost {
-        Some(Lost::Ublk) => bail!("the ublk device was stopped from outside; stopped serving"),
-        Some(Lost::Fuse) => bail!("the FUSE export was unmounted from outside; stopped serving"),
+        Some(ota::serving::Lost::Ublk) => {
+            bail!("the ublk device was stopped from outside; stopped serving")
+        }
+        Some(ota::serving::Lost::Fuse) => {
+            bail!("the FUSE export was unmounted from outside; stopped serving")
+        }
         None => {}
     }
     if let Some(e) = ended.merge_failed {
-        return Err(e.context("merge failed (serving stayed correct; run again to resume)"));
+        return Err(anyhow::Error::new(e)
+            .context("merge failed (serving stayed correct; run again to resume)"));
     }
     log::info!("vabc serve: stopped, everything unmounted");
     Ok(ExitCode::SUCCESS)
 }
 
-/// What is checked and opened before anything is read: bad arguments and a missing
-/// driver fail here, before the engine's work.
-struct Preflight {
-    nbd_addr: Option<NbdAddr>,
-    nbd_tls: Option<Arc<serve::nbd::TlsConfig>>,
-    ublk_transport: Option<serve::ublk::KernelTransport>,
-    fuse_uring: bool,
-}
-
-impl Preflight {
-    fn check(args: &Args) -> anyhow::Result<Preflight> {
-        let nbd_addr: Option<NbdAddr> = args.nbd.as_deref().map(str::parse).transpose()?;
-        // A report left by an earlier run must not be taken for this one's readiness.
-        if let Some(p) = &args.ready_file {
-            match std::fs::remove_file(p) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => {
-                    return Err(e)
-                        .with_context(|| format!("remove the old ready report {}", p.display()));
-                }
-            }
-            // Its folder must be there before serving starts, not found missing once
-            // a device is up (a unit without RuntimeDirectory=, a typo).
-            let dir = p.parent().filter(|d| !d.as_os_str().is_empty());
-            if let Some(dir) = dir
-                && !dir.is_dir()
-            {
-                bail!(
-                    "--ready-file {}: the folder {} does not exist; create it first (a \
-                     systemd unit: RuntimeDirectory=)",
-                    p.display(),
-                    dir.display()
-                );
-            }
-        }
-        let nbd_tls = match (&args.nbd_tls_cert, &args.nbd_tls_key, &nbd_addr) {
-            (Some(_), _, Some(NbdAddr::Unix(_))) => {
-                bail!("--nbd-tls-cert is for tcp: addresses (a unix socket is guarded by its mode)")
-            }
-            (Some(cert), Some(key), _) => Some(serve::nbd::tls_config(
-                cert,
-                key,
-                args.nbd_tls_verify_peer.as_deref(),
-            )?),
-            _ => None,
-        };
-        // Before any work: a missing driver is the likely failure.
-        let ublk_transport = match args.ublk {
-            true => Some(serve::ublk::KernelTransport::open()?),
-            false => None,
-        };
-        if let Some(t) = &args.mount
-            && !t.is_dir()
-        {
-            bail!(
-                "mount point {} does not exist or is not a directory",
-                t.display()
-            );
-        }
-        Ok(Preflight {
-            nbd_addr,
-            nbd_tls,
-            ublk_transport,
-            fuse_uring: use_fuse_uring(args)?,
-        })
+/// To stderr: a client may have closed our stdout after "ready".
+fn print_stats(stats: &ota::serving::Stats) {
+    for line in stats.lines() {
+        eprintln!("vabc serve: stats: {line}");
     }
-}
-
-/// Before serving a byte: the base must be the one the update was made for (or, once
-/// merged, the new image), and the COW's merge state must be sane. Returns the merge's
-/// progress and the update's manifest, if it has one.
-fn check_before_serving(
-    args: &Args,
-) -> anyhow::Result<(merge::progress::Progress, Option<manifest::Manifest>)> {
-    let cow = cow::CowReader::open(&args.cow)
-        .with_context(|| format!("cannot read COW {}", args.cow.display()))?;
-    let progress = merge::progress::read(&cow)?;
-    if progress.started() {
-        // A merge records its progress in the COW: say what that means here.
-        log::info!(
-            "vabc serve: {}: merge {progress}; serving through the merge state",
-            args.cow.display()
-        );
-    }
-    let manifest = crate::checks::load_manifest(&args.check, &args.cow, &cow)?;
-    if let Some(m) = &manifest {
-        let base = std::fs::File::open(&args.base)
-            .with_context(|| format!("cannot open base {}", args.base.display()))?;
-        ota::trust::check_base(m, progress, &cow, &base, &args.base)?;
-        // Nothing wrong is served: without a dm-verity tree to check each block as it
-        // is read, prove the whole result first (a full decode pass; the base of a
-        // started merge is checked above, and its COW was proven before it began).
-        if !progress.started() && args.verity_hash.is_none() {
-            let t = std::time::Instant::now();
-            ota::trust::prove_result(Some(m), &cow, &base, &args.base, args.size)?;
-            log::info!(
-                "vabc serve: checked: base + COW make the update's new image ({:.2} s; \
-                 --verity-hash checks each block as it is read instead)",
-                t.elapsed().as_secs_f64()
-            );
-        }
-    }
-    Ok((progress, manifest))
-}
-
-/// Which frontend went away underneath us.
-enum Lost {
-    Ublk,
-    Fuse,
-}
-
-/// How serving ended (besides a signal).
-struct Ended {
-    lost: Option<Lost>,
-    merge_failed: Option<anyhow::Error>,
-}
-
-/// The frontends serving the engine, torn down in reverse order of their start.
-struct Frontends {
-    // Field order is drop order (a failed start drops what it started): the reverse
-    // of the start.
-    loop_dev: Option<serve::mount::LoopDevice>,
-    stack: Option<MountStack>,
-    fuse: Option<FuseExport>,
-    ublk: Option<serve::ublk::UblkDevice<serve::ublk::KernelTransport>>,
-    nbd: Option<serve::nbd::NbdHandle>,
-    nbd_uri: Option<String>,
-}
-
-impl Frontends {
-    fn start(
-        args: &Args,
-        pre: Preflight,
-        engine: Arc<CowEngine>,
-        stats: &Stats,
-    ) -> anyhow::Result<Frontends> {
-        let dev: Arc<dyn BlockDevice> = engine;
-        let size = dev.size();
-        // One set of read-ahead counters for every frontend's read-ahead.
-        let readahead = Some(engine::ReadaheadOptions {
-            stats: stats.readahead.clone(),
-            ..Default::default()
-        });
-        let mut fronts = Frontends {
-            loop_dev: None,
-            stack: None,
-            fuse: None,
-            ublk: None,
-            nbd: None,
-            nbd_uri: None,
-        };
-        // From here on, an error drops `fronts`, which tears down what was started.
-        if let Some(addr) = &pre.nbd_addr {
-            let nbd_opts = NbdOptions {
-                export_name: args.export_name.clone(),
-                workers: args.workers,
-                latency: stats.nbd.clone(),
-                readahead: readahead.clone(),
-                max_connections: args.nbd_max_connections.max(1),
-                handshake_timeout: Duration::from_secs(args.nbd_handshake_timeout),
-                idle_timeout: (args.nbd_idle_timeout > 0)
-                    .then(|| Duration::from_secs(args.nbd_idle_timeout)),
-                write_timeout: Duration::from_secs(args.nbd_write_timeout),
-                socket_mode: args.nbd_socket_mode.unwrap_or(0o600),
-                tls: pre.nbd_tls.clone(),
-                ..NbdOptions::default()
-            };
-            let server = NbdServer::bind(addr, dev.clone(), &nbd_opts)?;
-            let uri = server.addr().to_string();
-            fronts.nbd = Some(server.spawn()?);
-            println!("vabc serve: NBD export {:?} at {uri}", args.export_name);
-            fronts.nbd_uri = Some(uri);
-        }
-        if let Some(t) = pre.ublk_transport {
-            let opts = serve::ublk::UblkOptions {
-                queues: args.ublk_queues,
-                depth: args.ublk_depth,
-                workers: args.workers,
-                readahead: readahead.clone(),
-                latency: stats.ublk.clone(),
-                ..Default::default()
-            };
-            let d = serve::ublk::UblkDevice::start(dev.clone(), t, &opts)?;
-            let p = d.params();
-            println!(
-                "vabc serve: block device {} ({} queues of depth {}, read-only)",
-                d.block_path().display(),
-                p.queues,
-                p.depth
-            );
-            fronts.ublk = Some(d);
-        }
-        let fuse_opts = FuseOptions {
-            dev_threads: args.fuse_threads.max(args.workers),
-            uring: pre.fuse_uring.then(|| serve::fuse::uring::UringOptions {
-                poll: std::time::Duration::from_micros(args.fuse_uring_poll),
-                ..serve::fuse::uring::UringOptions::with_workers(args.workers)
-            }),
-            latency: stats.fuse.clone(),
-            readahead,
-            ..FuseOptions::default()
-        };
-        if let Some(target) = &args.mount {
-            let mopts = MountOptions {
-                fstype: args.fstype,
-                fuse_dir: args.fuse.clone(),
-                fuse: fuse_opts,
-            };
-            let s = MountStack::mount(dev.clone(), target, &mopts)?;
-            let via = match s.loop_device() {
-                Some(lo) => format!(
-                    "{} (direct I/O {})",
-                    lo.path().display(),
-                    if lo.direct_io() { "on" } else { "off" }
-                ),
-                None => "file-backed mount, no loop device".into(),
-            };
-            println!(
-                "vabc serve: mounted {} read-only on {} via {via}, FUSE {}",
-                s.fstype().name(),
-                s.target().display(),
-                if pre.fuse_uring {
-                    "over io_uring"
-                } else {
-                    "through /dev/fuse"
-                }
-            );
-            fronts.stack = Some(s);
-        } else if let Some(dir) = &args.fuse {
-            let f = FuseExport::mount(dev.clone(), dir, &fuse_opts)?;
-            let (queues, threads) = f.queues();
-            let how = if f.over_io_uring() {
-                format!("over FUSE io_uring ({queues} queues, {threads} threads)")
-            } else {
-                format!("through /dev/fuse ({} threads)", f.dev_threads())
-            };
-            println!(
-                "vabc serve: exporting {} ({size} bytes) {how}",
-                f.file_path().display()
-            );
-            fronts.fuse = Some(f);
-        }
-        if let (Some(file), true) = (fronts.fuse_file(), args.loop_dev) {
-            let lo = serve::mount::LoopDevice::attach(&file, true)?;
-            println!(
-                "vabc serve: block device {} over {} (direct I/O {})",
-                lo.path().display(),
-                file.display(),
-                if lo.direct_io() { "on" } else { "off" }
-            );
-            fronts.loop_dev = Some(lo);
-        }
-        Ok(fronts)
-    }
-
-    /// The exported FUSE file, under the mount stack or on its own.
-    fn fuse_file(&self) -> Option<PathBuf> {
-        self.stack
-            .as_ref()
-            .and_then(|s| s.fuse().map(|f| f.file_path().to_path_buf()))
-            .or_else(|| self.fuse.as_ref().map(|f| f.file_path().to_path_buf()))
-    }
-
-    /// The machine-readable "ready" report of `--ready-file`.
-    fn write_ready_report(&self, path: &std::path::Path, size: u64) -> anyhow::Result<()> {
-        let block = self
-            .ublk
-            .as_ref()
-            .map(|u| u.block_path())
-            .or_else(|| self.loop_dev.as_ref().map(|l| l.path().to_path_buf()));
-        let report = crate::report::Report::new(ReadyReport {
-            pid: std::process::id(),
-            size,
-            block_device: block,
-            nbd_address: self.nbd_uri.clone(),
-            fuse_file: self.fuse_file(),
-            mount_target: self.stack.as_ref().map(|s| s.target().to_path_buf()),
-        });
-        let text = serde_json::to_string_pretty(&report)?;
-        ota::output::write_atomic(path, format!("{text}\n").as_bytes())
-            .with_context(|| format!("write the ready report {}", path.display()))
-    }
-
-    /// What a killed daemon would leave in the kernel, for `vabc cleanup`.
-    fn leftovers(&self) -> anyhow::Result<serve::leftovers::Record> {
-        let fuse_file = self.fuse_file();
-        Ok(serve::leftovers::Record {
-            ublk_dev_id: self.ublk.as_ref().map(|u| u.dev_id()),
-            fuse_dir: fuse_file
-                .as_ref()
-                .and_then(|f| f.parent().map(|p| p.to_path_buf())),
-            loop_devices: self
-                .loop_dev
-                .iter()
-                .chain(self.stack.as_ref().and_then(MountStack::loop_device))
-                .filter_map(|l| Some((l.number(), fuse_file.clone()?)))
-                .collect(),
-            mount_target: self.stack.as_ref().map(|s| s.target().to_path_buf()),
-            ..serve::leftovers::Record::for_self()?
-        })
-    }
-
-    /// Serves until SIGINT/SIGTERM or until a frontend goes away underneath us; runs
-    /// the background merge meanwhile and stops it (at its next commit) at the end.
-    fn serve_until_stopped(
-        &self,
-        mut merge_job: Option<MergeJob>,
-        mut trigger: Option<MergeTrigger>,
-        stop: &AtomicBool,
-        report: &AtomicBool,
-        stats: &Stats,
-    ) -> Ended {
-        let mut ended = Ended {
-            lost: None,
-            merge_failed: None,
-        };
-        while !stop.load(Ordering::Relaxed) {
-            if let Some(t) = trigger.as_mut()
-                && merge_job.as_ref().is_some_and(|j| !j.started())
-                && (t.start)()
-            {
-                merge_job = merge_job.map(MergeJob::start);
-            }
-            if let Some(job) = merge_job.take_if(|j| j.is_finished()) {
-                match job.join() {
-                    // stderr: a client may have closed our stdout after "ready".
-                    Ok(r) => {
-                        log::info!(
-                            "vabc serve: merge complete: {} ops ({} this run); the base is now the new image",
-                            r.total_ops,
-                            r.merged - r.started_at
-                        );
-                        if let Some(t) = trigger.as_mut()
-                            && let Err(e) = (t.done)()
-                        {
-                            log::warn!("vabc serve: after the merge: {e:#}");
-                            ended.merge_failed = Some(e);
-                        }
-                    }
-                    Err(e) => {
-                        log::warn!("vabc serve: merge failed: {e:#}");
-                        ended.merge_failed = Some(e);
-                    }
-                }
-            }
-            if self.ublk.as_ref().is_some_and(|u| !u.is_alive()) {
-                ended.lost = Some(Lost::Ublk);
-                break;
-            }
-            if !(self.stack.as_ref().is_none_or(MountStack::is_alive)
-                && self.fuse.as_ref().is_none_or(FuseExport::is_alive))
-            {
-                ended.lost = Some(Lost::Fuse);
-                break;
-            }
-            if report.swap(false, Ordering::Relaxed) {
-                stats.print();
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        // A merge still running stops at its next commit; the next run resumes.
-        if let Some(job) = merge_job.filter(MergeJob::started) {
-            match job.cancel_and_join() {
-                Ok(r) if !r.complete() => log::info!(
-                    "vabc serve: merge paused at op {} of {}; serve --merge again to resume",
-                    r.merged,
-                    r.total_ops
-                ),
-                Ok(_) => {}
-                Err(e) => ended.merge_failed = Some(e),
-            }
-        }
-        ended
-    }
-
-    /// Tears everything down, in reverse order of the start; the first error wins.
-    fn stop(mut self) -> anyhow::Result<()> {
-        let mut result = Ok(());
-        if let Some(lo) = self.loop_dev.take() {
-            result = lo.detach().context("detach the loop device");
-        }
-        if let Some(s) = self.stack.take() {
-            result = result
-                .and(s.teardown().map_err(anyhow::Error::from))
-                .context("tear down the mount stack");
-        }
-        if let Some(f) = self.fuse.take() {
-            let r = f.unmount().context("unmount the FUSE export");
-            result = result.and(r);
-        }
-        if let Some(u) = self.ublk.take() {
-            let r = u.stop().map(drop).context("stop the ublk device");
-            result = result.and(r);
-        }
-        if let Some(n) = self.nbd.take() {
-            n.stop();
-        }
-        result
-    }
-}
-
-/// Where the time of the reads goes, per layer (see `--stats`).
-struct Stats {
-    engine: Arc<CowEngine>,
-    fuse: Arc<trace::Histogram>,
-    nbd: Arc<trace::Histogram>,
-    ublk: Arc<trace::Histogram>,
-    readahead: Arc<engine::ReadaheadStats>,
-}
-
-impl Stats {
-    /// To stderr: a client may have closed our stdout after "ready".
-    fn print(&self) {
-        for (what, h) in [
-            ("FUSE READs", &self.fuse),
-            ("NBD READs", &self.nbd),
-            ("ublk READs", &self.ublk),
-        ] {
-            let s = h.snapshot();
-            if s.count > 0 {
-                eprintln!("vabc serve: stats: {what} (arrival to reply): {s}");
-            }
-        }
-        let e = self.engine.stats();
-        eprintln!(
-            "vabc serve: stats: engine reads (read_at, planned reads not included): {}",
-            e.reads.snapshot()
-        );
-        let checks = e.checks.snapshot();
-        if checks.count > 0 {
-            eprintln!("vabc serve: stats: dm-verity checks: {checks}");
-        }
-        let waits = e.queue_delays.histogram.snapshot();
-        if waits.count > 0 {
-            eprintln!("vabc serve: stats: decode hand-offs (queued to started): {waits}");
-        }
-        let n = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
-        let ra = &self.readahead;
-        if n(&ra.hits) + n(&ra.misses) > 0 {
-            eprintln!(
-                "vabc serve: stats: read-ahead: {} chunks read ahead ({} failed), {} stream \
-                 requests answered from them ({} waited for one), {} read directly",
-                n(&ra.chunks),
-                n(&ra.failed_chunks),
-                n(&ra.hits),
-                n(&ra.waits),
-                n(&ra.misses)
-            );
-        }
-        eprintln!(
-            "vabc serve: stats: engine: {} base file reads, {} units decoded, {} unit cache hits, \
-             {} requests decoded on the pool, {} MiB read straight into reply buffers",
-            n(&e.base_reads),
-            n(&e.unit_decodes),
-            n(&e.cache_hits),
-            n(&e.parallel_requests),
-            n(&e.in_place_bytes) >> 20
-        );
-    }
-}
-
-/// A merge running in the background of the server.
-struct MergeJob {
-    base: std::path::PathBuf,
-    cow: std::path::PathBuf,
-    /// The base and the COW opened for the merge, and its I/O engine, made before
-    /// serving starts: a merge started later (after a switch of root has moved the
-    /// mounts the paths went through) needs no path.
-    files: Option<MergeFiles>,
-    status: Arc<merge::MergeStatus>,
-    cancel: Arc<AtomicBool>,
-    handle: Option<std::thread::JoinHandle<anyhow::Result<merge::MergeReport>>>,
-    /// For a merge not yet started: prove, before its first write, that every op
-    /// decodes to the new image (against the manifest when there is one).
-    prove: Option<Option<manifest::Manifest>>,
-    scratch_check: Option<merge::BlockCheck>,
-}
-
-impl MergeJob {
-    /// Validate the merge and bring the engine's view of it up to date
-    /// before the first read is served (a published scratch window counts).
-    /// None when there is nothing to merge-track: no --merge and nothing
-    /// merged yet.
-    fn prepare(
-        args: &Args,
-        engine: &mut CowEngine,
-        started: bool,
-        manifest: Option<&manifest::Manifest>,
-        armed: bool,
-        scratch_check: Option<merge::BlockCheck>,
-    ) -> anyhow::Result<Option<MergeJob>> {
-        if !args.merge && !started && !armed {
-            return Ok(None);
-        }
-        let reader = cow::CowReader::open(&args.cow)?;
-        let status = Arc::new(merge::MergeStatus::new());
-        let ro = |p: &std::path::Path| {
-            std::fs::File::open(p).with_context(|| format!("cannot open {}", p.display()))
-        };
-        let size = cow::view::file_size(&ro(&args.base)?, &args.base)?;
-        let m = merge::Merge::new(
-            &reader,
-            size,
-            args.base.clone(),
-            merge::MergeOptions::default(),
-        )
-        .with_context(|| match started {
-            true => "the COW is partly merged, but its merge cannot be tracked".to_string(),
-            false => format!(
-                "cannot merge {} into {}",
-                args.cow.display(),
-                args.base.display()
-            ),
-        })?;
-        let m = match &scratch_check {
-            Some(c) => m.with_scratch_check(c.clone()),
-            None => m,
-        };
-        // Reads only: the device state as the merge left it.
-        m.load_status(
-            &mut merge::SyncIo::new(ro(&args.base)?, ro(&args.cow)?),
-            &status,
-        )?;
-        engine.set_merge_hook(Arc::new(merge::serving::StatusHook::new(
-            &reader,
-            status.clone(),
-        )?));
-        let files = (args.merge || armed)
-            .then(|| MergeFiles::open(&args.base, &args.cow))
-            .transpose()?;
-        Ok(Some(MergeJob {
-            base: args.base.clone(),
-            cow: args.cow.clone(),
-            files,
-            status,
-            cancel: Arc::new(AtomicBool::new(false)),
-            handle: None,
-            prove: (!started && !args.check.no_base_check).then(|| manifest.cloned()),
-            scratch_check,
-        }))
-    }
-
-    fn start(mut self) -> MergeJob {
-        let (base, cow, status, cancel, prove, scratch_check) = (
-            self.base.clone(),
-            self.cow.clone(),
-            self.status.clone(),
-            self.cancel.clone(),
-            self.prove.take(),
-            self.scratch_check.clone(),
-        );
-        let files = self.files.take();
-        log::info!(
-            "vabc serve: merging {} into {} in the background",
-            cow.display(),
-            base.display()
-        );
-        self.handle = Some(std::thread::spawn(move || {
-            let Some(MergeFiles {
-                base: base_file,
-                cow: cow_file,
-                mut io,
-            }) = files
-            else {
-                anyhow::bail!("the merge's files were not opened");
-            };
-            let reader = cow::CowReader::from_file(cow_file, &cow, cow::OpenOptions::default())?;
-            if let Some(manifest) = prove {
-                ota::trust::prove_result(manifest.as_ref(), &reader, &base_file, &base, None)?;
-            }
-            let size = cow::view::file_size(&base_file, &base)?;
-            let m = merge::Merge::new(&reader, size, base, merge::MergeOptions::default())?;
-            let m = m.with_status(status).with_cancel(cancel);
-            let m = match scratch_check {
-                Some(c) => m.with_scratch_check(c),
-                None => m,
-            };
-            Ok(m.run(io.as_mut(), &|_, _| {})?)
-        }));
-        self
-    }
-
-    fn started(&self) -> bool {
-        self.handle.is_some()
-    }
-
-    fn is_finished(&self) -> bool {
-        self.handle.as_ref().is_some_and(|h| h.is_finished())
-    }
-
-    fn join(mut self) -> anyhow::Result<merge::MergeReport> {
-        match self.handle.take() {
-            Some(h) => h
-                .join()
-                .map_err(|_| anyhow::anyhow!("the merge thread panicked"))?,
-            None => anyhow::bail!("the merge was never started"),
-        }
-    }
-
-    fn cancel_and_join(self) -> anyhow::Result<merge::MergeReport> {
-        self.cancel.store(true, Ordering::Relaxed);
-        self.join()
-    }
-}
-
-/// What a merge writes through, opened before it starts.
-struct MergeFiles {
-    base: std::fs::File,
-    cow: std::fs::File,
-    io: Box<dyn merge::MergeIo + Send>,
-}
-
-impl MergeFiles {
-    fn open(base: &std::path::Path, cow: &std::path::Path) -> anyhow::Result<MergeFiles> {
-        let rw = |p: &std::path::Path| {
-            std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(p)
-                .with_context(|| format!("cannot open {} for the merge", p.display()))
-        };
-        let (b, c) = (rw(base)?, rw(cow)?);
-        let clone = |f: &std::fs::File, p: &std::path::Path| {
-            f.try_clone()
-                .with_context(|| format!("duplicate the descriptor of {}", p.display()))
-        };
-        let (io, _) = merge::io::open(
-            merge::Engine::Auto,
-            clone(&b, base)?,
-            clone(&c, cow)?,
-            64,
-            false,
-        )?;
-        Ok(MergeFiles {
-            base: b,
-            cow: c,
-            io,
-        })
-    }
-}
-
-/// The verifier for `--verity-hash`, checked against the root hash before
-/// anything is served.
-fn open_verity(args: &Args, size: u64) -> anyhow::Result<Option<Arc<dyn engine::BlockVerifier>>> {
-    let Some(hashfile) = &args.verity_hash else {
-        if args.verity.any_given() {
-            bail!("verity tree options need --verity-hash FILE and --root-hash HEX");
-        }
-        return Ok(None);
-    };
-    let root_hex = args.root_hash.as_deref().unwrap_or_default().trim();
-    let root =
-        hex::decode(root_hex).with_context(|| format!("--root-hash {root_hex:?} is not hex"))?;
-    let file = std::fs::File::open(hashfile)
-        .with_context(|| format!("open verity hash file {}", hashfile.display()))?;
-    let hash_len = super::verity::device_or_file_len(&file, hashfile)?;
-    let data_name = PathBuf::from(format!("{} + {}", args.base.display(), args.cow.display()));
-    let params =
-        super::verity::resolve_params(&args.verity, hashfile, &file, hash_len, &data_name, size)?;
-    let tree_off = args.verity.tree_offset(&params);
-    let verifier = verity::BlockVerifier::new(file, hashfile, tree_off, params.clone(), &root)?
-        .with_data_name(&data_name);
-    let needed = tree_off + verifier.layout().tree_size();
-    if hash_len < needed {
-        return Err(verity::Error::Truncated {
-            path: hashfile.clone(),
-            what: format!(
-                "a {}-block hash tree at offset {tree_off}",
-                verifier.layout().hash_blocks
-            ),
-            needed,
-            actual: hash_len,
-        }
-        .into());
-    }
-    let check = serve::verity::VerityCheck::new(verifier, size)
-        .with_context(|| format!("cannot verify against {}", hashfile.display()))?;
-    println!(
-        "vabc serve: verifying every block against {} ({} data blocks of {}, {}, root hash {root_hex})",
-        hashfile.display(),
-        params.data_blocks,
-        params.data_block_size,
-        params.algorithm,
-    );
-    if check.protected_bytes() < size {
-        log::warn!(
-            "vabc serve: warning: the hash tree covers {} of {size} bytes; reads past it fail with EIO",
-            check.protected_bytes()
-        );
-    }
-    Ok(Some(Arc::new(check)))
-}
-
-/// `vabc serve --ready-file`: what is served, and where.
-#[derive(serde::Serialize, schemars::JsonSchema)]
-pub(crate) struct ReadyReport {
-    pid: u32,
-    size: u64,
-    block_device: Option<PathBuf>,
-    nbd_address: Option<String>,
-    fuse_file: Option<PathBuf>,
-    mount_target: Option<PathBuf>,
 }

@@ -708,43 +708,36 @@ fn daemon(a: DaemonArgs) -> Result<ExitCode> {
     let trusted_path = a.run_dir.join(format!("{}.manifest", p.name));
     ota::output::write_atomic(&trusted_path, trusted.to_json().as_bytes())?;
 
-    let mut argv: Vec<std::ffi::OsString> = vec!["serve".into(), "--base".into()];
-    argv.push(p.base.clone().into());
-    argv.push("--cow".into());
-    argv.push(held(cow_file).into());
-    argv.push("--manifest".into());
-    argv.push(trusted_path.into());
-    argv.push("--ready-file".into());
-    argv.push(a.run_dir.join(format!("{}.ready", p.name)).into());
+    let mut req = ota::serving::ServeRequest::new(p.base.clone(), held(cow_file));
+    req.manifest = Some(trusted_path);
     match a.frontend {
-        Frontend::Ublk => argv.push("--ublk".into()),
+        Frontend::Ublk => req.ublk = true,
         Frontend::Fuse => {
             let dir = a.run_dir.join(format!("{}.fuse", p.name));
             std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
-            argv.extend(["--fuse".into(), dir.into(), "--loop".into()]);
+            req.fuse = Some(dir);
+            req.loop_dev = true;
         }
     }
     if let (true, Some((tree, root))) = (a.userspace_verity, tree_path) {
-        argv.push("--verity-hash".into());
-        argv.push(tree.into());
-        argv.push("--root-hash".into());
-        argv.push(root.into());
+        req.verity = Some(ota::serving::VerityRequest {
+            hashfile: tree,
+            root_hash: root,
+            tree: ota::trees::TreeOptions::default(),
+        });
     }
-    if proven.merging {
-        argv.push("--merge".into());
-    }
-    #[derive(clap::Parser)]
-    struct ServeCli {
-        #[command(flatten)]
-        args: super::serve::Args,
-    }
-    let args = <ServeCli as clap::Parser>::try_parse_from(argv)
-        .context("the daemon's serve options")?
-        .args;
+    req.merge = proven.merging;
+    let run = super::serve::Run {
+        req,
+        ready_file: Some(a.run_dir.join(format!("{}.ready", p.name))),
+        stats: false,
+        queue_delays: None,
+        trace: None,
+    };
     let mut polled = Instant::now() - Duration::from_secs(1);
     let watch = Store::open(&a.store)?;
     let version = m.release.version;
-    let trigger = super::serve::MergeTrigger {
+    let trigger = ota::serving::MergeTrigger {
         // The store through its descriptor: it is reached after a switch of root.
         start: Box::new(move || {
             if polled.elapsed() < Duration::from_secs(1) {
@@ -753,10 +746,10 @@ fn daemon(a: DaemonArgs) -> Result<ExitCode> {
             polled = Instant::now();
             matches!(watch.load(), Ok(State::Merging { .. }))
         }),
-        done: Box::new(move || ota::device::merge_done(&store, version).map_err(Into::into)),
+        done: Box::new(move || ota::device::merge_done(&store, version)),
         scratch_check: tree_check,
     };
-    super::serve::run_with(args, Some(trigger))
+    super::serve::run_with(run, Some(trigger))
 }
 
 fn mark_good(m: MarkGoodArgs) -> Result<ExitCode> {
