@@ -24,6 +24,7 @@
 
 #![warn(missing_docs)]
 
+pub mod boot;
 pub mod create;
 pub mod device;
 pub mod error;

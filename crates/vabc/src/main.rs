@@ -124,13 +124,10 @@ fn main() -> std::process::ExitCode {
         Ok(code) => code,
         Err(e) => {
             eprintln!("vabc: error: {}", error_chain(&e));
-            if e.downcast_ref::<cmd::update::HalfMerged>().is_some()
-                || e.chain().any(|c| {
-                    c.downcast_ref::<ota::Error>()
-                        .is_some_and(ota::Error::is_half_merged)
-                })
-                || e.chain().any(|c| c.is::<cmd::update::HalfMerged>())
-            {
+            if e.chain().any(|c| {
+                c.downcast_ref::<ota::Error>()
+                    .is_some_and(ota::Error::is_half_merged)
+            }) {
                 std::process::ExitCode::from(cmd::update::EXIT_HALF_MERGED)
             } else if e.chain().any(|c| {
                 c.downcast_ref::<ota::Error>()

@@ -6,14 +6,13 @@
 //! crate; docs/08-device-updates.md tells the whole story.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitCode, Stdio};
+use std::process::{Command, ExitCode};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use serde::Serialize;
-use update::{BootAction, PartitionState, State, Store, Update};
+use update::{State, Store};
 
-use crate::checks::mismatch;
 use crate::report;
 use ota::device::Keyring;
 
@@ -28,19 +27,6 @@ const DEFAULT_VERSION_FILE: &str = "/etc/vabc/version";
 /// Exit status of a boot that must not mount anything: the merge has overwritten
 /// part of the base and the update cannot be served (docs/cli.md).
 pub const EXIT_HALF_MERGED: u8 = 4;
-
-/// A boot that must not go on: the base is half merged and the update cannot be
-/// served. Exit status [`EXIT_HALF_MERGED`].
-#[derive(Debug)]
-pub struct HalfMerged(pub String);
-
-impl std::fmt::Display for HalfMerged {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for HalfMerged {}
 
 /// The keys the device trusts.
 #[derive(clap::Args, Clone, Debug)]
@@ -306,387 +292,69 @@ fn install(a: InstallArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// One partition's device, as `boot` prints it.
-#[derive(Serialize, schemars::JsonSchema)]
-pub(crate) struct Booted {
-    name: String,
-    device: PathBuf,
-    /// Served from base + COW (else the base itself).
-    served: bool,
-    /// Who checks blocks against the root hash: "kernel", "userspace" or none.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    verity: Option<&'static str>,
-}
-
-fn bases_of(specs: &[String]) -> Result<Vec<Booted>> {
+fn bases_of(specs: &[String]) -> Result<Vec<(String, PathBuf)>> {
     specs
         .iter()
         .map(|s| {
             let (name, path) = s
                 .split_once('=')
                 .with_context(|| format!("--base {s:?}: expected NAME=PATH"))?;
-            Ok(Booted {
-                name: name.to_string(),
-                device: PathBuf::from(path),
-                served: false,
-                verity: None,
-            })
+            Ok((name.to_string(), PathBuf::from(path)))
         })
         .collect()
 }
 
 fn boot(a: BootArgs) -> Result<ExitCode> {
-    let store = Store::open(&a.store.store)?;
-    let state = store.load()?;
-    let (action, next) = state.on_boot();
-    // The decision is durable before it is acted on: a power cut during this boot
-    // counts its attempt.
-    if next != state {
-        store.save(&next)?;
-    }
-    let update = state.update();
-    // The bases this boot's own configuration names (the initramfs's): where given,
-    // they are what is printed, and a state that names another device is refused.
-    let pinned = bases_of(&a.bases)?;
-    let base_devices = |u: Option<&Update>| -> Vec<Booted> {
-        match u {
-            Some(u) => u
-                .partitions
-                .iter()
-                .map(|p| Booted {
-                    name: p.name.clone(),
-                    device: pinned
-                        .iter()
-                        .find(|b| b.name == p.name)
-                        .map_or_else(|| p.base.clone(), |b| b.device.clone()),
-                    served: false,
-                    verity: None,
-                })
-                .collect(),
-            None => pinned
-                .iter()
-                .map(|b| Booted {
-                    name: b.name.clone(),
-                    device: b.device.clone(),
-                    served: false,
-                    verity: None,
-                })
-                .collect(),
-        }
-    };
-    let (devices, note) = match (action, update) {
-        (BootAction::Base, _) => (base_devices(update), None),
-        (BootAction::RollBack, Some(u)) => {
-            store.remove_update_files(u)?;
-            (
-                base_devices(update),
-                Some(format!(
-                    "the update failed to be marked good in {} boots: rolled back",
-                    u.max_boot_attempts
-                )),
-            )
-        }
-        (BootAction::CleanUp, Some(u)) => {
-            store.remove_update_files(u)?;
-            (
-                base_devices(update),
-                Some("the merged update's COWs removed".into()),
-            )
-        }
-        (BootAction::Snapshot { merge }, Some(u)) => match serve_update(&a, &store, u, &pinned) {
-            Ok(v) => (v, None),
-            // The merge has overwritten part of the base: neither the old system nor
-            // the new one is there, so nothing may be mounted from it.
-            Err(e) if merge => {
-                return Err(e.context(HalfMerged(format!(
-                    "{}: the merge is under way (part of the base is already the new image) \
-                     and the update cannot be served: no root to mount",
-                    store.path().display()
-                ))));
-            }
-            // The base is untouched: the old system boots, this attempt counted.
-            Err(e) => (
-                base_devices(update),
-                Some(format!(
-                    "the update cannot be served ({:#}); booting the base (the old system); \
-                     this was boot attempt {} of {}",
-                    e,
-                    match &next {
-                        State::Installed { boot_attempts, .. } => *boot_attempts,
-                        _ => 0,
-                    },
-                    u.max_boot_attempts
-                )),
-            ),
+    let opts = ota::boot::BootOptions {
+        bases: bases_of(&a.bases)?,
+        frontend: match a.frontend {
+            Frontend::Ublk => ota::boot::Frontend::Ublk,
+            Frontend::Fuse => ota::boot::Frontend::Fuse,
         },
-        (_, None) => (base_devices(None), None),
+        verity: match a.verity {
+            VerityMode::Auto => ota::boot::VerityMode::Auto,
+            VerityMode::Kernel => ota::boot::VerityMode::Kernel,
+            VerityMode::Userspace => ota::boot::VerityMode::Userspace,
+        },
+        run_dir: a.run_dir.clone(),
+        timeout: Duration::from_secs(a.timeout),
     };
-    // What this boot runs, for mark-good (the run folder is a tmpfs: gone at the next
-    // boot). Best effort when nothing is served: a missing record refuses mark-good.
-    let snapshot = devices.iter().any(|d| d.served);
-    if std::fs::create_dir_all(&a.run_dir).is_ok() {
-        let record = ota::device::Booted {
-            update_id: next.update().map(|u| u.id.clone()),
-            snapshot,
-        };
-        let written = serde_json::to_string_pretty(&record)
-            .map_err(anyhow::Error::from)
-            .and_then(|text| {
-                ota::output::write_atomic(
-                    &ota::device::Booted::path(&a.run_dir),
-                    format!("{text}\n").as_bytes(),
-                )
-                .map_err(anyhow::Error::from)
-            });
-        if let (Err(e), true) = (written, snapshot) {
-            return Err(e);
+    // Each partition's daemon is this program's `update daemon`.
+    let daemon = |d: &ota::boot::DaemonSpec| -> ota::Result<Command> {
+        let exe = std::env::current_exe()
+            .map_err(|e| ota::Error::io("find the vabc binary", "/proc/self/exe", e))?;
+        let mut cmd = Command::new(exe);
+        cmd.args(["update", "daemon", "--store"])
+            .arg(d.store)
+            .args(["--partition", d.partition, "--frontend", d.frontend.name()])
+            .arg("--run-dir")
+            .arg(d.run_dir);
+        if d.userspace_verity {
+            cmd.arg("--userspace-verity");
         }
-    }
-    if let Some(n) = &note {
+        cmd.args(a.keys.to_args());
+        Ok(cmd)
+    };
+    let done = ota::boot::boot(&a.store.store, &a.keys.load(), &opts, &daemon)?;
+    if let Some(n) = &done.note {
         eprintln!("vabc update boot: {n}");
     }
     if a.store.json {
         report::print(BootReport {
-            state: next.name(),
-            boot_attempts: match &next {
+            state: done.state.name(),
+            boot_attempts: match &done.state {
                 State::Installed { boot_attempts, .. } => Some(*boot_attempts),
                 _ => None,
             },
-            note: &note,
-            partitions: &devices,
+            note: &done.note,
+            partitions: &done.devices,
         })?;
     } else {
-        for d in &devices {
+        for d in &done.devices {
             println!("{} {}", d.name, d.device.display());
         }
     }
     Ok(ExitCode::SUCCESS)
-}
-
-/// Serves every partition of `u` (none if one fails: its daemons are stopped), after
-/// checking the stored signature and the bases against this boot's configuration.
-fn serve_update(a: &BootArgs, store: &Store, u: &Update, pinned: &[Booted]) -> Result<Vec<Booted>> {
-    let m = ota::device::signed_manifest(store, u, &a.keys.load())?;
-    for p in &u.partitions {
-        if let Some(b) = pinned.iter().find(|b| b.name == p.name) {
-            let same = match (
-                std::fs::canonicalize(&b.device),
-                std::fs::canonicalize(&p.base),
-            ) {
-                (Ok(x), Ok(y)) => x == y,
-                _ => b.device == p.base,
-            };
-            if !same {
-                mismatch!(
-                    "partition {}: the state says its base is {}, this boot's configuration \
-                     says {}: the store was altered (or the device's layout changed)",
-                    p.name,
-                    p.base.display(),
-                    b.device.display()
-                );
-            }
-        }
-    }
-    std::fs::create_dir_all(&a.run_dir)
-        .with_context(|| format!("create {}", a.run_dir.display()))?;
-    let mut v = Vec::new();
-    let mut daemons = Vec::new();
-    for p in &u.partitions {
-        let signed = m.partition(&p.name).and_then(|s| s.verity.as_ref());
-        match serve_partition(a, store, p, signed) {
-            Ok((b, child)) => {
-                v.push(b);
-                daemons.push(child);
-            }
-            Err(e) => {
-                // Nothing of the update may run when the base is booted instead: a
-                // daemon left serving could merge under it.
-                for mut d in daemons {
-                    stop_daemon(&mut d);
-                }
-                return Err(e);
-            }
-        }
-    }
-    Ok(v)
-}
-
-/// Whether the kernel's dm-verity can be set up here.
-fn kernel_verity_available() -> bool {
-    Path::new("/dev/mapper/control").exists()
-        && Command::new("veritysetup")
-            .arg("--version")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success())
-}
-
-/// Stops a daemon `boot` started (SIGTERM: it takes its device down) and waits.
-fn stop_daemon(child: &mut std::process::Child) {
-    if let Ok(pid) = i32::try_from(child.id()) {
-        // SAFETY: kill(2) with a pid we spawned and have not reaped; no memory involved.
-        unsafe { libc::kill(pid, libc::SIGTERM) };
-    }
-    let t0 = Instant::now();
-    while matches!(child.try_wait(), Ok(None)) {
-        if t0.elapsed() > Duration::from_secs(30) {
-            let _ = child.kill();
-            let _ = child.wait();
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-/// Starts the daemon serving partition `p` and waits for its device; dm-verity on
-/// top when the update carries a root hash. On an error the daemon is stopped.
-fn serve_partition(
-    a: &BootArgs,
-    store: &Store,
-    p: &PartitionState,
-    signed: Option<&bundle::VerityInfo>,
-) -> Result<(Booted, std::process::Child)> {
-    let verity = match (signed, a.verity) {
-        (None, _) => None,
-        (Some(_), VerityMode::Kernel) => Some("kernel"),
-        (Some(_), VerityMode::Userspace) => Some("userspace"),
-        (Some(_), VerityMode::Auto) => Some(match kernel_verity_available() {
-            true => "kernel",
-            false => "userspace",
-        }),
-    };
-    let ready = a.run_dir.join(format!("{}.ready", p.name));
-    let _ = std::fs::remove_file(&ready);
-    let exe = std::env::current_exe().context("find the vabc binary")?;
-    let store_path = std::fs::canonicalize(store.path())
-        .with_context(|| format!("resolve {}", store.path().display()))?;
-    let mut cmd = Command::new(exe);
-    cmd.args(["update", "daemon", "--store"])
-        .arg(&store_path)
-        .args(["--partition", &p.name, "--frontend"])
-        .arg(match a.frontend {
-            Frontend::Ublk => "ublk",
-            Frontend::Fuse => "fuse",
-        })
-        .arg("--run-dir")
-        .arg(&a.run_dir);
-    if verity == Some("userspace") {
-        cmd.arg("--userspace-verity");
-    }
-    cmd.args(a.keys.to_args());
-    // Its own process group: the initramfs's job control and the switch of root do
-    // not reach it. Its messages go to a log beside its report (holding our stderr
-    // would keep whoever reads it waiting for its end).
-    let log_path = a.run_dir.join(format!("{}.log", p.name));
-    let log = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&log_path)
-        .with_context(|| format!("open {}", log_path.display()))?;
-    use std::os::unix::process::CommandExt;
-    cmd.stdin(Stdio::null())
-        .stdout(log.try_clone().context("duplicate the log's descriptor")?)
-        .stderr(log)
-        .process_group(0);
-    let mut child = cmd.spawn().context("start the serving daemon")?;
-    match attach(
-        a,
-        p,
-        signed,
-        &store_path,
-        &ready,
-        &log_path,
-        verity,
-        &mut child,
-    ) {
-        Ok(b) => Ok((b, child)),
-        Err(e) => {
-            stop_daemon(&mut child);
-            Err(e)
-        }
-    }
-}
-
-/// Waits for `child` to serve partition `p` and puts dm-verity over its device when
-/// `verity` says the kernel checks it.
-#[allow(clippy::too_many_arguments)]
-fn attach(
-    a: &BootArgs,
-    p: &PartitionState,
-    signed: Option<&bundle::VerityInfo>,
-    store_path: &Path,
-    ready: &Path,
-    log_path: &Path,
-    verity: Option<&'static str>,
-    child: &mut std::process::Child,
-) -> Result<Booted> {
-    let t0 = Instant::now();
-    let report = loop {
-        if let Ok(text) = std::fs::read_to_string(ready) {
-            let v: serde_json::Value = serde_json::from_str(&text)
-                .with_context(|| format!("read the daemon's report {}", ready.display()))?;
-            break v;
-        }
-        if let Some(st) = child.try_wait().context("wait for the serving daemon")? {
-            let log = std::fs::read_to_string(log_path).unwrap_or_default();
-            let last = log
-                .lines()
-                .rev()
-                .find(|l| !l.trim().is_empty())
-                .unwrap_or("");
-            bail!(
-                "partition {}: the serving daemon exited ({st}) before serving: {last} (its \
-                 log: {})",
-                p.name,
-                log_path.display()
-            );
-        }
-        if t0.elapsed() > Duration::from_secs(a.timeout) {
-            bail!(
-                "partition {}: the serving daemon was not serving after {} s",
-                p.name,
-                a.timeout
-            );
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let dev = report["block_device"]
-        .as_str()
-        .map(PathBuf::from)
-        .with_context(|| format!("partition {}: the daemon reported no block device", p.name))?;
-    // The signed root hash: the tree in the store is checked against it, block by
-    // block, as the kernel reads.
-    let device = match (verity, signed) {
-        (Some("kernel"), Some(v)) => {
-            let name = format!("vabc-{}", p.name);
-            let out = Command::new("veritysetup")
-                .arg("open")
-                .arg(&dev)
-                .arg(&name)
-                .arg(store_path.join(update::verity_name(&p.name)))
-                .arg(&v.root_hash)
-                .output()
-                .context("run veritysetup")?;
-            if !out.status.success() {
-                bail!(
-                    "partition {}: veritysetup open {} failed ({}): {}",
-                    p.name,
-                    dev.display(),
-                    out.status,
-                    String::from_utf8_lossy(&out.stderr).trim()
-                );
-            }
-            PathBuf::from("/dev/mapper").join(name)
-        }
-        _ => dev,
-    };
-    Ok(Booted {
-        name: p.name.clone(),
-        device,
-        served: true,
-        verity,
-    })
 }
 
 /// A descriptor the process keeps open, as a path any later open reaches it by:
@@ -828,7 +496,7 @@ pub(crate) struct BootReport<'a> {
     state: &'static str,
     boot_attempts: Option<u32>,
     note: &'a Option<String>,
-    partitions: &'a [Booted],
+    partitions: &'a [ota::boot::BootDevice],
 }
 
 /// `vabc update rollback --json`.
