@@ -278,31 +278,7 @@ impl Analysis {
             });
         }
         match ev.action {
-            Action::Queue => {
-                if let Some(prev) = st.last_q {
-                    self.parts.entry((dev, "all")).or_default().stages[Q2Q]
-                        .0
-                        .push(delta(prev, t));
-                }
-                st.last_q = Some(t);
-                // A direction's own Q2Q: between its bios (btt has only the device's).
-                if let Some(prev) = st.last_q_dir[usize::from(write)].replace(t) {
-                    self.parts.entry((dev, dir(write))).or_default().stages[Q2Q]
-                        .0
-                        .push(delta(prev, t));
-                }
-                self.both(dev, write, |b| b.queued += 1);
-                let bio = Bio {
-                    q: t,
-                    end,
-                    write,
-                    g: None,
-                    i: None,
-                    m: None,
-                    d: None,
-                };
-                st.bios.insert(ev.sector, bio);
-            }
+            Action::Queue => self.queued(st, dev, write, t, ev.sector, end),
             Action::Requeue => self.both(dev, write, |b| b.queued += 1),
             Action::Split => {
                 if let Extra::Split { new_sector } = ev.extra
@@ -344,66 +320,101 @@ impl Analysis {
                     None => self.unmatched += 1,
                 }
             }
-            Action::Issue => {
-                let distance = seek(st.last_d.unwrap_or((0, 0)), ev.sector, end);
-                st.last_d = Some((ev.sector, end));
-                self.both(dev, write, |b| {
-                    b.issued += 1;
-                    *b.sizes.entry(ev.sectors()).or_default() += 1;
-                    b.seeks.push(distance);
-                });
-                let keys = st.inside(ev.sector, end);
-                if keys.is_empty() {
-                    self.unmatched += 1;
-                }
-                for k in keys {
-                    let Some(b) = st.bios.get_mut(&k) else {
-                        continue;
-                    };
-                    let (i, m, w) = (b.i, b.m, b.write);
-                    b.d = Some(t);
-                    if let Some(i) = i {
-                        self.sample(dev, w, I2D, i, t);
-                    } else if let Some(m) = m {
-                        self.sample(dev, w, M2D, m, t);
-                    }
-                }
-            }
-            Action::Complete => {
-                let bytes = u64::from(ev.bytes);
-                self.both(dev, write, |b| {
-                    b.completed += 1;
-                    b.bytes_completed += bytes;
-                });
-                let keys = st.inside(ev.sector, end);
-                if keys.is_empty() {
-                    self.unmatched += 1;
-                }
-                for k in keys {
-                    let Some(b) = st.bios.remove(&k) else {
-                        continue;
-                    };
-                    if self.keep_ios {
-                        self.ios.push(Io {
-                            dev,
-                            write: b.write,
-                            sector: k,
-                            sectors: b.end.saturating_sub(k),
-                            q: b.q,
-                            g: b.g,
-                            i: b.i,
-                            m: b.m,
-                            d: b.d,
-                            c: t,
-                        });
-                    }
-                    self.sample(dev, b.write, Q2C, b.q, t);
-                    if let Some(d) = b.d {
-                        self.sample(dev, b.write, D2C, d, t);
-                    }
-                }
-            }
+            Action::Issue => self.issued(st, ev, write, end),
+            Action::Complete => self.completed(st, ev, write, end),
             _ => {}
+        }
+    }
+
+    /// Q: a bio enters the block layer.
+    fn queued(&mut self, st: &mut DevState, dev: Dev, write: bool, t: u64, sector: u64, end: u64) {
+        if let Some(prev) = st.last_q {
+            self.parts.entry((dev, "all")).or_default().stages[Q2Q]
+                .0
+                .push(delta(prev, t));
+        }
+        st.last_q = Some(t);
+        // A direction's own Q2Q: between its bios (btt has only the device's).
+        if let Some(prev) = st.last_q_dir[usize::from(write)].replace(t) {
+            self.parts.entry((dev, dir(write))).or_default().stages[Q2Q]
+                .0
+                .push(delta(prev, t));
+        }
+        self.both(dev, write, |b| b.queued += 1);
+        let bio = Bio {
+            q: t,
+            end,
+            write,
+            g: None,
+            i: None,
+            m: None,
+            d: None,
+        };
+        st.bios.insert(sector, bio);
+    }
+
+    /// D: a request goes to the driver, with the bios it holds.
+    fn issued(&mut self, st: &mut DevState, ev: &Event, write: bool, end: u64) {
+        let (t, dev) = (ev.time_ns, ev.dev);
+        let distance = seek(st.last_d.unwrap_or((0, 0)), ev.sector, end);
+        st.last_d = Some((ev.sector, end));
+        self.both(dev, write, |b| {
+            b.issued += 1;
+            *b.sizes.entry(ev.sectors()).or_default() += 1;
+            b.seeks.push(distance);
+        });
+        let keys = st.inside(ev.sector, end);
+        if keys.is_empty() {
+            self.unmatched += 1;
+        }
+        for k in keys {
+            let Some(b) = st.bios.get_mut(&k) else {
+                continue;
+            };
+            let (i, m, w) = (b.i, b.m, b.write);
+            b.d = Some(t);
+            if let Some(i) = i {
+                self.sample(dev, w, I2D, i, t);
+            } else if let Some(m) = m {
+                self.sample(dev, w, M2D, m, t);
+            }
+        }
+    }
+
+    /// C: a request completes, and the bios it held with it.
+    fn completed(&mut self, st: &mut DevState, ev: &Event, write: bool, end: u64) {
+        let (t, dev) = (ev.time_ns, ev.dev);
+        let bytes = u64::from(ev.bytes);
+        self.both(dev, write, |b| {
+            b.completed += 1;
+            b.bytes_completed += bytes;
+        });
+        let keys = st.inside(ev.sector, end);
+        if keys.is_empty() {
+            self.unmatched += 1;
+        }
+        for k in keys {
+            let Some(b) = st.bios.remove(&k) else {
+                continue;
+            };
+            if self.keep_ios {
+                self.ios.push(Io {
+                    dev,
+                    write: b.write,
+                    sector: k,
+                    sectors: b.end.saturating_sub(k),
+                    q: b.q,
+                    g: b.g,
+                    i: b.i,
+                    m: b.m,
+                    d: b.d,
+                    c: t,
+                });
+            }
+            self.sample(dev, b.write, Q2C, b.q, t);
+            if let Some(d) = b.d {
+                self.sample(dev, b.write, D2C, d, t);
+            }
         }
     }
 }

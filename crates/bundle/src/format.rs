@@ -531,40 +531,7 @@ impl<R: Read> BundleReader<R> {
         let sig_at = (HEADER_SIZE + json.len()) as u64;
         read_full(&mut input, &mut sig, path, sig_at, "the signature")?;
         // The signature first: nothing of an unverified manifest is believed.
-        let (keys, unsigned_ok) = match trust {
-            Trust::Key(k) => (std::slice::from_ref(k), false),
-            Trust::AnyOf { keys, unsigned_ok } => (keys, unsigned_ok),
-            Trust::Unchecked => (&[][..], true),
-        };
-        let sig_err = |msg: String| BundleError::Signature {
-            path: path.to_path_buf(),
-            msg,
-        };
-        if slen == 0 {
-            if !unsigned_ok {
-                return Err(sig_err(
-                    "the bundle is not signed; install it with --allow-unsigned only if you \
-                     trust where it came from"
-                        .into(),
-                ));
-            }
-        } else if let Some(first) = keys.first() {
-            if !keys.iter().any(|k| k.verify(&[&hb, &json], &sig).is_ok()) {
-                let why = first.verify(&[&hb, &json], &sig).err().unwrap_or_default();
-                return Err(sig_err(match keys.len() {
-                    1 => why,
-                    n => format!(
-                        "the signature verifies with none of the {n} trusted keys ({}): {why}",
-                        keys.iter()
-                            .map(PublicKey::id)
-                            .collect::<Vec<_>>()
-                            .join(", ")
-                    ),
-                }));
-            }
-        } else if !unsigned_ok {
-            return Err(sig_err("no trusted key to check the signature with".into()));
-        }
+        check_signature(trust, path, &[&hb, &json], &sig)?;
         let mut text = Vec::new();
         zstd::stream::read::Decoder::new(&json[..])
             .and_then(|d| d.take(u64::from(MAX_MANIFEST) + 1).read_to_end(&mut text))
@@ -583,48 +550,7 @@ impl<R: Read> BundleReader<R> {
                 format!("manifest format {:?}, not vabc-bundle", manifest.format),
             ));
         }
-        let mut at = 0u64;
-        for (i, p) in manifest.partitions.iter().enumerate() {
-            check_partition_name(&p.name, path, HEADER_SIZE as u64)?;
-            if manifest.partitions[..i].iter().any(|q| q.name == p.name) {
-                return Err(fail(
-                    HEADER_SIZE as u64,
-                    format!("partition {:?} is named twice in the manifest", p.name),
-                ));
-            }
-            if let Some(why) = p.kind_problem() {
-                return Err(fail(
-                    HEADER_SIZE as u64,
-                    format!("partition {:?}: {why}", p.name),
-                ));
-            }
-            if p.payload.offset != at || p.payload.plan_length > p.payload.length {
-                return Err(fail(
-                    HEADER_SIZE as u64,
-                    format!(
-                        "partition {:?}: payload at {} (+{} bytes) does not follow the one before it",
-                        p.name, p.payload.offset, p.payload.length
-                    ),
-                ));
-            }
-            let fb = p.payload.frame_blocks;
-            if !(1..=crate::data::MAX_FRAME_BLOCKS).contains(&fb) {
-                return Err(fail(
-                    HEADER_SIZE as u64,
-                    format!(
-                        "partition {:?}: data frames of {fb} blocks (1 to {} allowed)",
-                        p.name,
-                        crate::data::MAX_FRAME_BLOCKS
-                    ),
-                ));
-            }
-            at = at.checked_add(p.payload.length).ok_or_else(|| {
-                fail(
-                    HEADER_SIZE as u64,
-                    format!("partition {:?}: payload length overflows", p.name),
-                )
-            })?;
-        }
+        check_partitions(&manifest, path)?;
         let payload_start = sig_at + slen as u64;
         let mut head = Vec::with_capacity(payload_start as usize);
         head.extend_from_slice(&hb);
@@ -1013,6 +939,99 @@ fn read_full(
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
             Err(e) => return Err(io_err(path, "read", offset + got as u64)(e)),
         }
+    }
+    Ok(())
+}
+
+/// `sig` over the `signed` parts, by a key `trust` names (or no signature, where it
+/// allows that).
+fn check_signature(trust: Trust<'_>, path: &Path, signed: &[&[u8]], sig: &[u8]) -> Result<()> {
+    let (keys, unsigned_ok) = match trust {
+        Trust::Key(k) => (std::slice::from_ref(k), false),
+        Trust::AnyOf { keys, unsigned_ok } => (keys, unsigned_ok),
+        Trust::Unchecked => (&[][..], true),
+    };
+    let sig_err = |msg: String| BundleError::Signature {
+        path: path.to_path_buf(),
+        msg,
+    };
+    if sig.is_empty() {
+        if !unsigned_ok {
+            return Err(sig_err(
+                "the bundle is not signed; install it with --allow-unsigned only if you \
+                 trust where it came from"
+                    .into(),
+            ));
+        }
+    } else if let Some(first) = keys.first() {
+        if !keys.iter().any(|k| k.verify(signed, sig).is_ok()) {
+            let why = first.verify(signed, sig).err().unwrap_or_default();
+            return Err(sig_err(match keys.len() {
+                1 => why,
+                n => format!(
+                    "the signature verifies with none of the {n} trusted keys ({}): {why}",
+                    keys.iter()
+                        .map(PublicKey::id)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            }));
+        }
+    } else if !unsigned_ok {
+        return Err(sig_err("no trusted key to check the signature with".into()));
+    }
+    Ok(())
+}
+
+/// The manifest's partitions: named once each, well formed, and their payloads one
+/// after the other.
+fn check_partitions(manifest: &BundleManifest, path: &Path) -> Result<()> {
+    let fail = |offset: u64, msg: String| BundleError::Format {
+        path: path.to_path_buf(),
+        offset,
+        msg,
+    };
+    let mut at = 0u64;
+    for (i, p) in manifest.partitions.iter().enumerate() {
+        check_partition_name(&p.name, path, HEADER_SIZE as u64)?;
+        if manifest.partitions[..i].iter().any(|q| q.name == p.name) {
+            return Err(fail(
+                HEADER_SIZE as u64,
+                format!("partition {:?} is named twice in the manifest", p.name),
+            ));
+        }
+        if let Some(why) = p.kind_problem() {
+            return Err(fail(
+                HEADER_SIZE as u64,
+                format!("partition {:?}: {why}", p.name),
+            ));
+        }
+        if p.payload.offset != at || p.payload.plan_length > p.payload.length {
+            return Err(fail(
+                HEADER_SIZE as u64,
+                format!(
+                    "partition {:?}: payload at {} (+{} bytes) does not follow the one before it",
+                    p.name, p.payload.offset, p.payload.length
+                ),
+            ));
+        }
+        let fb = p.payload.frame_blocks;
+        if !(1..=crate::data::MAX_FRAME_BLOCKS).contains(&fb) {
+            return Err(fail(
+                HEADER_SIZE as u64,
+                format!(
+                    "partition {:?}: data frames of {fb} blocks (1 to {} allowed)",
+                    p.name,
+                    crate::data::MAX_FRAME_BLOCKS
+                ),
+            ));
+        }
+        at = at.checked_add(p.payload.length).ok_or_else(|| {
+            fail(
+                HEADER_SIZE as u64,
+                format!("partition {:?}: payload length overflows", p.name),
+            )
+        })?;
     }
     Ok(())
 }

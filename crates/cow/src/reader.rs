@@ -166,7 +166,7 @@ impl CowReader {
 
     /// Parse an already opened file (`path` is used in messages only).
     pub fn from_file(file: File, path: &Path, opts: OpenOptions) -> Result<CowReader> {
-        let file_size = crate::view::file_size(&file, path)?;
+        let file_size = vabc_io::size_of(&file).map_err(io_err(path, "find the size of", 0))?;
         let mut r = CowReader {
             path: path.to_path_buf(),
             file,
@@ -490,49 +490,7 @@ impl CowReader {
                 tail.data_cursor = next_inline;
             }
             if r.op_type == op_type::FOOTER {
-                let trailer = rec_off + rec;
-                meta.read(trailer, FOOTER_TRAILER, "footer")?;
-                // The footer reuses the record's slots: ops_size where
-                // new_block is, num_ops where source is.
-                let footer = Footer {
-                    offset: rec_off,
-                    num_ops: r.source,
-                    ops_size: r.new_block,
-                };
-                if label.is_none() {
-                    if footer.num_ops != tail.records {
-                        return Err(format_err(
-                            &path,
-                            rec_off,
-                            format!(
-                                "footer says {} ops, but {} were parsed",
-                                footer.num_ops, tail.records
-                            ),
-                        ));
-                    }
-                    if footer.ops_size != footer.num_ops * rec {
-                        return Err(format_err(
-                            &path,
-                            rec_off,
-                            format!(
-                                "footer ops_size {} does not match {} ops of {rec} bytes",
-                                footer.ops_size, footer.num_ops
-                            ),
-                        ));
-                    }
-                    self.footer = Some(footer);
-                    if n > 0 {
-                        tail.slots_used -= 1;
-                    } else {
-                        tail.cluster_start = rec_off;
-                    }
-                    self.v2_tail = Some(tail);
-                    return Ok(());
-                }
-                return Err(CowError::LabelNotFound {
-                    path: path.clone(),
-                    label: label.unwrap_or_default(),
-                });
+                return self.v2_footer(&mut meta, &r, rec_off, label, tail);
             }
             tail.records += 1;
             let check48 = |v: u64, what: &str| fits48(&path, rec_off, v, what);
@@ -560,27 +518,7 @@ impl CowReader {
                         return Ok(());
                     }
                 }
-                op_type::SEQUENCE => {
-                    let len = usize::from(r.data_length);
-                    if len % 4 != 0 {
-                        return Err(format_err(
-                            &path,
-                            rec_off,
-                            format!("SEQUENCE op data length {len} is not a multiple of 4"),
-                        ));
-                    }
-                    check48(r.source, "sequence offset")?;
-                    let data = meta.read(r.source, len, "sequence data")?;
-                    let entries = sequence_from_wire(data).ok_or_else(|| {
-                        format_err(
-                            &path,
-                            r.source,
-                            format!("sequence data of {len} bytes is not whole entries"),
-                        )
-                    })?;
-                    self.sequence.extend(entries);
-                    self.advance_data(&mut tail, u64::from(r.data_length));
-                }
+                op_type::SEQUENCE => self.v2_sequence(&mut meta, &r, rec_off, &mut tail)?,
                 t => {
                     let op = self.v2_op(t, &r, rec_off, &mut tail)?;
                     tail.seen_data_op = true;
@@ -588,6 +526,90 @@ impl CowReader {
                 }
             }
         }
+    }
+
+    /// The FOOTER record at `rec_off`: the end of the op stream, which must hold as
+    /// many ops as it says (or, looking for `label`, a label that is not there).
+    fn v2_footer(
+        &mut self,
+        meta: &mut MetaReader<'_>,
+        r: &RecordV2,
+        rec_off: u64,
+        label: Option<u64>,
+        mut tail: V2Tail,
+    ) -> Result<()> {
+        let path = self.path.clone();
+        let rec = u64::from(OP_SIZE_V2);
+        meta.read(rec_off + rec, FOOTER_TRAILER, "footer")?;
+        // The footer reuses the record's slots: ops_size where new_block is, num_ops
+        // where source is.
+        let footer = Footer {
+            offset: rec_off,
+            num_ops: r.source,
+            ops_size: r.new_block,
+        };
+        if let Some(l) = label {
+            return Err(CowError::LabelNotFound { path, label: l });
+        }
+        if footer.num_ops != tail.records {
+            return Err(format_err(
+                &path,
+                rec_off,
+                format!(
+                    "footer says {} ops, but {} were parsed",
+                    footer.num_ops, tail.records
+                ),
+            ));
+        }
+        if footer.ops_size != footer.num_ops * rec {
+            return Err(format_err(
+                &path,
+                rec_off,
+                format!(
+                    "footer ops_size {} does not match {} ops of {rec} bytes",
+                    footer.ops_size, footer.num_ops
+                ),
+            ));
+        }
+        self.footer = Some(footer);
+        if self.header.cluster_ops > 0 {
+            tail.slots_used -= 1;
+        } else {
+            tail.cluster_start = rec_off;
+        }
+        self.v2_tail = Some(tail);
+        Ok(())
+    }
+
+    /// A SEQUENCE record: the merge order it carries, read from its data.
+    fn v2_sequence(
+        &mut self,
+        meta: &mut MetaReader<'_>,
+        r: &RecordV2,
+        rec_off: u64,
+        tail: &mut V2Tail,
+    ) -> Result<()> {
+        let path = &self.path;
+        let len = usize::from(r.data_length);
+        if len % 4 != 0 {
+            return Err(format_err(
+                path,
+                rec_off,
+                format!("SEQUENCE op data length {len} is not a multiple of 4"),
+            ));
+        }
+        fits48(path, rec_off, r.source, "sequence offset")?;
+        let data = meta.read(r.source, len, "sequence data")?;
+        let entries = sequence_from_wire(data).ok_or_else(|| {
+            format_err(
+                path,
+                r.source,
+                format!("sequence data of {len} bytes is not whole entries"),
+            )
+        })?;
+        self.sequence.extend(entries);
+        self.advance_data(tail, u64::from(r.data_length));
+        Ok(())
     }
 
     /// Checks one v2 record of an op kind (`t`, not CLUSTER, LABEL, SEQUENCE or FOOTER)

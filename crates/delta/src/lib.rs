@@ -97,6 +97,7 @@ pub mod error;
 pub mod image;
 pub mod index;
 pub mod lone;
+pub mod ops;
 pub mod order;
 pub mod plan;
 pub mod sim;

@@ -30,8 +30,7 @@
 //! about twice [`NEIGHBOURHOOD_BLOCKS`] no run can be seen whole, so whole
 //! XOR runs go too: 1024 converts 37 570 XORs (+82%).
 
-use crate::order::source_blocks;
-use crate::plan::{BlockOp, PlannedOp};
+use crate::ops::{BlockOp, PlannedOp, source_blocks};
 
 /// NEW blocks on either side of an XOR whose OLD reads count as its
 /// neighbours: 1 MiB each way, the size of a sequential read request and

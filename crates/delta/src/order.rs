@@ -29,8 +29,7 @@
 use std::cmp::Reverse;
 use std::collections::BTreeSet;
 
-use crate::BLOCK_SIZE;
-use crate::plan::{BlockOp, PlannedOp};
+use crate::ops::{BlockOp, PlannedOp};
 
 const NONE: u32 = u32::MAX;
 
@@ -38,19 +37,7 @@ const NONE: u32 = u32::MAX;
 /// in its middle (bounds the ordering's cost at this many steps per op).
 const HOLD_SCAN: usize = 256;
 
-/// The blocks an op reads during the merge (0, 1 or 2 of them).
-pub fn source_blocks(op: &BlockOp) -> impl Iterator<Item = u64> + use<> {
-    let (a, b) = match *op {
-        BlockOp::Copy { src_block } => (Some(src_block), None),
-        BlockOp::Xor { src_offset } => {
-            let first = src_offset / BLOCK_SIZE as u64;
-            let second = (src_offset % BLOCK_SIZE as u64 != 0).then_some(first + 1);
-            (Some(first), second)
-        }
-        BlockOp::Zero | BlockOp::Replace => (None, None),
-    };
-    a.into_iter().chain(b)
-}
+pub use crate::ops::source_blocks;
 
 /// Turn into REPLACE every XOR that reads a block which another COPY/XOR op
 /// rewrites more than `far` blocks away from the XOR's own destination
@@ -113,40 +100,12 @@ pub fn order_merge(ops: &mut [PlannedOp]) -> MergeOrder {
         .collect();
     let n = ord.len();
     let dst = |node: usize| ops[ord[node]].dst;
-    let node_of = |block: u64| -> Option<usize> {
-        let k = ord.partition_point(|&i| ops[i].dst < block);
-        (k < n && ops[ord[k]].dst == block).then_some(k)
-    };
-
-    // succ[a]: nodes that must merge after a (they overwrite a's sources).
-    let mut succ = vec![[NONE; 2]; n];
-    let mut indeg = vec![0u32; n];
-    for (a, s) in succ.iter_mut().enumerate() {
-        for (k, blk) in source_blocks(&ops[ord[a]].op).enumerate() {
-            if let Some(b) = node_of(blk).filter(|&b| b != a) {
-                s[k] = b as u32;
-                indeg[b] += 1;
-            }
-        }
-    }
-    // pred[b]: nodes that read b's destination (CSR layout).
-    let mut pred_start = vec![0u32; n + 1];
-    for s in &succ {
-        for &b in s.iter().filter(|&&b| b != NONE) {
-            pred_start[b as usize + 1] += 1;
-        }
-    }
-    for i in 0..n {
-        pred_start[i + 1] += pred_start[i];
-    }
-    let mut fill = pred_start.clone();
-    let mut pred = vec![0u32; pred_start[n] as usize];
-    for (a, s) in succ.iter().enumerate() {
-        for &b in s.iter().filter(|&&b| b != NONE) {
-            pred[fill[b as usize] as usize] = a as u32;
-            fill[b as usize] += 1;
-        }
-    }
+    let Graph {
+        succ,
+        mut indeg,
+        pred_start,
+        pred,
+    } = Graph::build(ops, &ord);
 
     #[derive(Clone, Copy, PartialEq, Eq)]
     enum State {
@@ -260,6 +219,63 @@ pub fn order_merge(ops: &mut [PlannedOp]) -> MergeOrder {
     MergeOrder {
         sequence,
         converted,
+    }
+}
+
+/// The dependency graph of the ordered ops (nodes numbered in ascending dst order):
+/// who must merge after whom, and the reverse, in compressed rows.
+struct Graph {
+    /// succ[a]: nodes that must merge after a (they overwrite a's sources).
+    succ: Vec<[u32; 2]>,
+    /// Pending predecessors of each node.
+    indeg: Vec<u32>,
+    /// pred[pred_start[b]..pred_start[b + 1]]: nodes that read b's destination.
+    pred_start: Vec<u32>,
+    pred: Vec<u32>,
+}
+
+impl Graph {
+    fn build(ops: &[PlannedOp], ord: &[usize]) -> Graph {
+        let n = ord.len();
+        let node_of = |block: u64| -> Option<usize> {
+            let k = ord.partition_point(|&i| ops[i].dst < block);
+            (k < n && ops[ord[k]].dst == block).then_some(k)
+        };
+        // succ[a]: nodes that must merge after a (they overwrite a's sources).
+        let mut succ = vec![[NONE; 2]; n];
+        let mut indeg = vec![0u32; n];
+        for (a, s) in succ.iter_mut().enumerate() {
+            for (k, blk) in source_blocks(&ops[ord[a]].op).enumerate() {
+                if let Some(b) = node_of(blk).filter(|&b| b != a) {
+                    s[k] = b as u32;
+                    indeg[b] += 1;
+                }
+            }
+        }
+        // pred[b]: nodes that read b's destination (CSR layout).
+        let mut pred_start = vec![0u32; n + 1];
+        for s in &succ {
+            for &b in s.iter().filter(|&&b| b != NONE) {
+                pred_start[b as usize + 1] += 1;
+            }
+        }
+        for i in 0..n {
+            pred_start[i + 1] += pred_start[i];
+        }
+        let mut fill = pred_start.clone();
+        let mut pred = vec![0u32; pred_start[n] as usize];
+        for (a, s) in succ.iter().enumerate() {
+            for &b in s.iter().filter(|&&b| b != NONE) {
+                pred[fill[b as usize] as usize] = a as u32;
+                fill[b as usize] += 1;
+            }
+        }
+        Graph {
+            succ,
+            indeg,
+            pred_start,
+            pred,
+        }
     }
 }
 

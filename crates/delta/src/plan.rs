@@ -36,25 +36,7 @@ const MAX_COPY_PROBES: usize = 8;
 /// compressed for comparison: its XOR cannot beat REPLACE by a clear margin.
 const MIN_EQUAL_BYTES: usize = 1024;
 
-/// What a NEW block becomes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum BlockOp {
-    /// Copy of OLD block `src_block`.
-    Copy { src_block: u64 },
-    /// Stored as NEW ⊕ OLD[src_offset .. src_offset + 4096].
-    Xor { src_offset: u64 },
-    /// All zeros.
-    Zero,
-    /// Stored (compressed) data.
-    Replace,
-}
-
-/// The op for one NEW block.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct PlannedOp {
-    pub dst: u64,
-    pub op: BlockOp,
-}
+pub use crate::ops::{BlockOp, PlannedOp};
 
 /// Tuning of op selection.
 #[derive(Clone, Debug)]

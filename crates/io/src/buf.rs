@@ -1,7 +1,9 @@
 //! Buffers that `O_DIRECT` can fill: their usable part starts at a [`DIRECT_ALIGN`]
 //! boundary, and large ones are whole transparent huge pages.
 
-use crate::direct::DIRECT_ALIGN;
+/// Alignment of `O_DIRECT` transfers: a page, which covers every logical block size a
+/// Linux block device reports, so it is safe without querying `STATX_DIOALIGN`.
+pub const DIRECT_ALIGN: usize = 4096;
 
 /// A buffer whose usable part starts at a `DIRECT_ALIGN` boundary, so a caller can hand
 /// it to a reader and have base reads go straight to `O_DIRECT`. Buffers of at least

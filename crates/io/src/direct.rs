@@ -19,9 +19,7 @@ use std::path::{Path, PathBuf};
 use crate::buf::AlignedBuf;
 use crate::read::ReadAt;
 
-/// Alignment of `O_DIRECT` transfers: a page, which covers every logical block size a
-/// Linux block device reports, so it is safe without querying `STATX_DIOALIGN`.
-pub const DIRECT_ALIGN: usize = 4096;
+pub use crate::buf::DIRECT_ALIGN;
 
 /// Whether a transfer of `buf` at `offset` meets `O_DIRECT`'s alignment (memory,
 /// length and offset).

@@ -423,24 +423,7 @@ impl<'a> Merge<'a> {
         let replay = state == STATE_DONE && (pos as usize) < self.ordered;
         let plan = self.plan_early(if replay { self.ordered } else { pos as usize });
         report.early_blocks = plan.blocks() as u64;
-        // One registered, page-aligned allocation (so that an engine can
-        // move it with O_DIRECT) holds two window slots, each: a window's
-        // blocks in op order, and its blocks in destination order with the
-        // REPLACE/ZERO blocks written early (see `arrange`); and the staging
-        // area the next window's sources are read into while one is written
-        // (see `start_sources`). While one slot's destinations are written,
-        // the next window is assembled in the other (see `run`'s loop). XOR
-        // payloads are decoded by a worker thread (see `prepare`).
-        // Room for our longest window and for a published one to replay,
-        // but no more than the ordered ops (a small update needs a small
-        // buffer, quick to allocate and pin).
-        let cap = self
-            .max_window
-            .max(self.scratch_cap)
-            .min(self.ordered)
-            .max(1)
-            * BLOCK_SIZE;
-        let early_cap = plan.max_window() * BLOCK_SIZE;
+        let (cap, early_cap) = self.slot_sizes(&plan);
         let mut arena = AlignedBuf::new(6 * cap + 2 * early_cap);
         // Registering only saves the kernel a page lookup per transfer; where
         // it is refused (an unprivileged user's RLIMIT_MEMLOCK), plain
@@ -448,13 +431,7 @@ impl<'a> Merge<'a> {
         if self.window_cap > 0 && io.register(&mut arena).is_err() {
             io.unregister();
         }
-        let (windows, rest) = arena.split_at_mut(2 * cap);
-        let (sorteds, staging) = rest.split_at_mut(2 * (cap + early_cap));
-        let (w0, w1) = windows.split_at_mut(cap);
-        let (s0, s1) = sorteds.split_at_mut(cap + early_cap);
-        let mut windows = [w0, w1];
-        let mut sorteds = [s0, s1];
-        let staging = staging.as_mut_ptr();
+        let mut slots = Slots::new(&mut arena, cap, early_cap);
         // The decoder's reads, and the time spent waiting for it.
         let mut decoder = IoStats::default();
         let result = std::thread::scope(|scope| -> Result<()> {
@@ -462,180 +439,54 @@ impl<'a> Merge<'a> {
             let (done_tx, done_rx) = mpsc::channel::<Result<Prepared>>();
             let plan = &plan;
             scope.spawn(move || prepare::serve(self, plan, job_rx, done_tx));
-            // The REPLACE/ZERO worker: batches from the first REPLACE/ZERO
-            // op not merged yet, in order. It stops when the receiver is
-            // dropped (this closure returns), so a run that ends early
-            // never leaves it blocked.
-            let (replace_tx, replace_rx) =
-                mpsc::sync_channel::<Result<(usize, usize, Prepared)>>(self.opts.replace_ahead);
-            let first_replace = (pos as usize).max(self.ordered);
-            if first_replace < total {
-                scope.spawn(move || {
-                    let mut at = first_replace;
-                    while at < total {
-                        let (end, _) = self.replace_batch(at, plan);
-                        let r = self
-                            .prepare(Job::Replace { pos: at }, plan)
-                            .map(|p| (at, end, p));
-                        let failed = r.is_err();
-                        if replace_tx.send(r).is_err() || failed {
-                            break;
-                        }
-                        at = end;
-                    }
-                });
-            }
+            let replace_rx = self.spawn_replace_worker(scope, pos as usize, plan);
+            let mut run = Running {
+                io: &mut *io,
+                head: &mut head,
+                pos: &mut pos,
+                commits: 0,
+                progress,
+            };
             let mut link = DecoderLink {
                 jobs: job_tx,
                 done: done_rx,
                 queued: VecDeque::new(),
             };
-            let mut commits = 0usize;
-            let out_of_budget = |c: usize| self.out_of_budget(c);
             if replay {
-                let n = self.replay_window(io, pos as usize, windows[0], sorteds[0])?;
+                let n = self.replay_window(
+                    run.io,
+                    *run.pos as usize,
+                    slots.windows[0],
+                    slots.sorteds[0],
+                )?;
                 if n > 0 {
-                    pos += n as u64;
-                    self.commit(io, &mut head, pos)?;
+                    self.commit_window(&mut run, n)?;
                     report.replayed_window = true;
                     report.windows += 1;
-                    commits += 1;
-                    progress(pos, total as u64);
                 }
             }
-            // The window whose sources are being read: started while the
-            // one before it was written.
-            let mut pending: Option<Pending> = None;
-            // The prefetched window's (length, direct), cut when its reads
-            // were started.
-            let mut next_window: Option<(usize, bool)> = None;
-            // Assemble the window at `at` in one slot's buffers: wait for its
-            // sources, apply its XORs, start reading the next window's
-            // sources when `prefetch` (in a valid merge order, which
-            // `Merge::new` checked, no op reads a block an earlier op writes,
-            // so writes still running cannot change what those reads
-            // return; its XOR payloads are decoded meanwhile), and arrange
-            // its blocks for writing.
-            let mut assemble = |io: &mut dyn MergeIo,
-                                at: usize,
-                                prefetch: bool,
-                                window: &mut [u8],
-                                sorted: &mut [u8],
-                                link: &mut DecoderLink,
-                                decoder: &mut IoStats|
-             -> Result<Ready> {
-                let (n, direct) = next_window.take().unwrap_or_else(|| self.window_at(at));
-                let p = match pending.take() {
-                    Some(p) => p,
-                    None => {
-                        link.send(Job::Xor { pos: at, n });
-                        // SAFETY: the staging area (2 * cap bytes) is not
-                        // touched until `finish_sources` below waits for
-                        // the reads.
-                        unsafe { self.start_sources(io, at, n, staging)? }
-                    }
-                };
-                debug_assert_eq!((p.pos, p.n), (at, n));
-                let xors = link.take(self, Job::Xor { pos: at, n }, decoder)?;
-                // SAFETY: the staging area is 2 * cap bytes inside `arena`,
-                // disjoint from every slice in use; `finish_sources` reads
-                // it only after waiting for the reads into it.
-                let staged = unsafe { std::slice::from_raw_parts(staging, 2 * cap) };
-                self.finish_sources(io, &p, window, staged, &xors.data)?;
-                let next = at + n;
-                if prefetch && next < self.ordered {
-                    let (m, d) = self.window_at(next);
-                    next_window = Some((m, d));
-                    link.send(Job::Xor { pos: next, n: m });
-                    // SAFETY: the staging area (consumed by `finish_sources`
-                    // above) is left alone until the next assembly's
-                    // `finish_sources` waits for these reads; `run` waits
-                    // for them on every other path before it is dropped.
-                    pending = Some(unsafe { self.start_sources(io, next, m, staging)? });
-                }
-                let data = WindowData {
-                    blocks: window,
-                    early: plan.window(at),
-                    early_data: &xors.early,
-                };
-                let arranged = self.arrange(at, n, data, sorted);
-                Ok(Ready {
-                    pos: at,
-                    n,
-                    direct,
-                    arranged,
-                })
-            };
-            // Window k's destination writes run while window k + 1 is
-            // assembled in the other slot; only then does the merge wait for
-            // them, sync and commit k. Done in turn, that CPU work left the
-            // disk idle: on the `system` pair ~0.4 s of a 1.8 s merge ran
-            // outside any I/O wait, and 2 ms of extra CPU per window made
-            // the merge 0.6 s longer (bench/results/merge.md).
-            let mut ready: Option<Ready> = None;
-            let mut slot = 0;
-            while (pos as usize) < self.ordered && !out_of_budget(commits) {
-                let at = pos as usize;
-                let w = match ready.take() {
-                    Some(w) => w,
-                    None => assemble(
-                        io,
-                        at,
-                        !out_of_budget(commits + 1),
-                        windows[slot],
-                        sorteds[slot],
-                        &mut link,
-                        &mut decoder,
-                    )?,
-                };
-                debug_assert_eq!(w.pos, at);
-                let blocks = &windows[slot][..w.n * BLOCK_SIZE];
-                if !w.direct {
-                    self.publish_scratch(io, at, w.n, blocks, &mut head)?;
-                }
-                // SAFETY: this slot's buffers are not touched until
-                // `wait_writes` below returned: the next window is assembled
-                // in the other slot, and every exit from here on waits for
-                // these writes (below, or after the loop) before the arena
-                // is released.
-                let first = unsafe {
-                    self.start_destinations(io, at, w.n, blocks, sorteds[slot], &w.arranged)?
-                };
-                let next = at + w.n;
-                if next < self.ordered && !out_of_budget(commits + 1) {
-                    let other = 1 - slot;
-                    ready = Some(assemble(
-                        io,
-                        next,
-                        !out_of_budget(commits + 2),
-                        windows[other],
-                        sorteds[other],
-                        &mut link,
-                        &mut decoder,
-                    )?);
-                }
-                io.wait_writes()
-                    .map_err(|e| self.base_io("write destinations", first, e))?;
-                io.sync(Dev::Base)
-                    .map_err(|e| self.base_io("sync destinations", first, e))?;
-                pos += w.n as u64;
-                self.commit(io, &mut head, pos)?;
-                report.windows += 1;
-                if w.direct {
-                    report.direct_windows += 1;
-                }
-                commits += 1;
-                progress(pos, total as u64);
-                slot = 1 - slot;
-            }
+            self.merge_windows(
+                &mut run,
+                &mut slots,
+                &mut link,
+                &mut decoder,
+                plan,
+                &mut report,
+            )?;
             // REPLACE/ZERO, in the batches the worker decoded ahead.
-            while (pos as usize) < total && !out_of_budget(commits) {
-                pos =
-                    self.merge_replace_batch(io, &mut head, pos, &replace_rx, &mut decoder, plan)?;
-                commits += 1;
-                progress(pos, total as u64);
+            while (*run.pos as usize) < total && !self.out_of_budget(run.commits) {
+                *run.pos = self.merge_replace_batch(
+                    run.io,
+                    run.head,
+                    *run.pos,
+                    &replace_rx,
+                    &mut decoder,
+                    plan,
+                )?;
+                run.commits += 1;
+                progress(*run.pos, total as u64);
             }
-            report.commits = commits as u64;
+            report.commits = run.commits as u64;
             Ok(())
         });
         // Transfers still in flight (a prefetch after the last commit of a
@@ -653,6 +504,135 @@ impl<'a> Merge<'a> {
         report.io.bytes_read += decoder.bytes_read;
         report.io.read_wait += decoder.read_wait;
         Ok(report)
+    }
+
+    /// One window slot's size and the room for its early blocks. One registered,
+    /// page-aligned allocation (so that an engine can move it with O_DIRECT) holds two
+    /// window slots, each: a window's blocks in op order, and its blocks in destination
+    /// order with the REPLACE/ZERO blocks written early (see `arrange`); and the
+    /// staging area the next window's sources are read into while one is written (see
+    /// `start_sources`). While one slot's destinations are written, the next window is
+    /// assembled in the other (see `merge_windows`). XOR payloads are decoded by a
+    /// worker thread (see `prepare`). Room for our longest window and for a published
+    /// one to replay, but no more than the ordered ops (a small update needs a small
+    /// buffer, quick to allocate and pin).
+    fn slot_sizes(&self, plan: &EarlyPlan) -> (usize, usize) {
+        let cap = self
+            .max_window
+            .max(self.scratch_cap)
+            .min(self.ordered)
+            .max(1)
+            * BLOCK_SIZE;
+        (cap, plan.max_window() * BLOCK_SIZE)
+    }
+
+    /// The REPLACE/ZERO worker: batches from the first REPLACE/ZERO op not merged
+    /// yet, in order. It stops when the receiver is dropped (the run's scope ends),
+    /// so a run that ends early never leaves it blocked.
+    fn spawn_replace_worker<'s, 'e>(
+        &'e self,
+        scope: &'s std::thread::Scope<'s, 'e>,
+        pos: usize,
+        plan: &'e EarlyPlan,
+    ) -> mpsc::Receiver<Result<(usize, usize, Prepared)>> {
+        let total = self.order.len();
+        let (replace_tx, replace_rx) =
+            mpsc::sync_channel::<Result<(usize, usize, Prepared)>>(self.opts.replace_ahead);
+        let first_replace = pos.max(self.ordered);
+        if first_replace < total {
+            scope.spawn(move || {
+                let mut at = first_replace;
+                while at < total {
+                    let (end, _) = self.replace_batch(at, plan);
+                    let r = self
+                        .prepare(Job::Replace { pos: at }, plan)
+                        .map(|p| (at, end, p));
+                    let failed = r.is_err();
+                    if replace_tx.send(r).is_err() || failed {
+                        break;
+                    }
+                    at = end;
+                }
+            });
+        }
+        replace_rx
+    }
+
+    /// `num_merge_ops += n`, durably, and the progress said.
+    fn commit_window(&self, run: &mut Running<'_, '_>, n: usize) -> Result<()> {
+        *run.pos += n as u64;
+        self.commit(run.io, run.head, *run.pos)?;
+        run.commits += 1;
+        (run.progress)(*run.pos, self.order.len() as u64);
+        Ok(())
+    }
+
+    /// The ordered (COPY/XOR) windows from `run.pos`. Window k's destination writes
+    /// run while window k + 1 is assembled in the other slot; only then does the merge
+    /// wait for them, sync and commit k. Done in turn, that CPU work left the disk
+    /// idle: on the `system` pair ~0.4 s of a 1.8 s merge ran outside any I/O wait, and
+    /// 2 ms of extra CPU per window made the merge 0.6 s longer
+    /// (bench/results/merge.md).
+    fn merge_windows(
+        &self,
+        run: &mut Running<'_, '_>,
+        slots: &mut Slots<'_>,
+        link: &mut DecoderLink,
+        decoder: &mut IoStats,
+        plan: &EarlyPlan,
+        report: &mut MergeReport,
+    ) -> Result<()> {
+        let mut ready: Option<Ready> = None;
+        let mut slot = 0;
+        while (*run.pos as usize) < self.ordered && !self.out_of_budget(run.commits) {
+            let at = *run.pos as usize;
+            let w = match ready.take() {
+                Some(w) => w,
+                None => {
+                    let prefetch = !self.out_of_budget(run.commits + 1);
+                    slots.assemble(self, run.io, at, prefetch, slot, link, decoder, plan)?
+                }
+            };
+            debug_assert_eq!(w.pos, at);
+            let blocks = &slots.windows[slot][..w.n * BLOCK_SIZE];
+            if !w.direct {
+                self.publish_scratch(run.io, at, w.n, blocks, run.head)?;
+            }
+            // SAFETY: this slot's buffers are not touched until `wait_writes` below
+            // returned: the next window is assembled in the other slot, and every exit
+            // from here on waits for these writes (below, or at the end of `run`)
+            // before the arena is released.
+            let first = unsafe {
+                self.start_destinations(run.io, at, w.n, blocks, slots.sorteds[slot], &w.arranged)?
+            };
+            let next = at + w.n;
+            if next < self.ordered && !self.out_of_budget(run.commits + 1) {
+                let prefetch = !self.out_of_budget(run.commits + 2);
+                ready = Some(slots.assemble(
+                    self,
+                    run.io,
+                    next,
+                    prefetch,
+                    1 - slot,
+                    link,
+                    decoder,
+                    plan,
+                )?);
+            }
+            run.io
+                .wait_writes()
+                .map_err(|e| self.base_io("write destinations", first, e))?;
+            run.io
+                .sync(Dev::Base)
+                .map_err(|e| self.base_io("sync destinations", first, e))?;
+            self.commit_window(run, w.n)?;
+            report.windows += 1;
+            if w.direct {
+                report.direct_windows += 1;
+            }
+            slot = 1 - slot;
+        }
+        Ok(())
     }
 
     /// Reads the COW's header and scratch area into a page-aligned mirror and returns
@@ -1253,6 +1233,108 @@ fn conflicts(ordered: &[Op], blocks: usize) -> Vec<u32> {
         last_writer.set(op.new_block, j);
     }
     out
+}
+
+/// What one run of the merge moves forward: its I/O, the header mirror, the merged
+/// op count and the commits made.
+struct Running<'r, 'p> {
+    io: &'r mut dyn MergeIo,
+    head: &'r mut [u8],
+    pos: &'r mut u64,
+    commits: usize,
+    progress: &'p dyn Fn(u64, u64),
+}
+
+/// The two window slots and the staging area of one run, carved from its arena
+/// ([`Merge::slot_sizes`]), and the window whose sources are being read ahead.
+struct Slots<'a> {
+    windows: [&'a mut [u8]; 2],
+    sorteds: [&'a mut [u8]; 2],
+    /// The staging area (2 * cap bytes), written by reads in flight: a raw pointer,
+    /// as those reads outlive any borrow of it.
+    staging: *mut u8,
+    cap: usize,
+    /// The window whose sources are being read: started while the one before it
+    /// was written.
+    pending: Option<Pending>,
+    /// The prefetched window's (length, direct), cut when its reads were started.
+    next_window: Option<(usize, bool)>,
+}
+
+impl<'a> Slots<'a> {
+    fn new(arena: &'a mut AlignedBuf, cap: usize, early_cap: usize) -> Slots<'a> {
+        let (windows, rest) = arena.split_at_mut(2 * cap);
+        let (sorteds, staging) = rest.split_at_mut(2 * (cap + early_cap));
+        let (w0, w1) = windows.split_at_mut(cap);
+        let (s0, s1) = sorteds.split_at_mut(cap + early_cap);
+        Slots {
+            windows: [w0, w1],
+            sorteds: [s0, s1],
+            staging: staging.as_mut_ptr(),
+            cap,
+            pending: None,
+            next_window: None,
+        }
+    }
+
+    /// Assemble the window at `at` in slot `slot`'s buffers: wait for its sources,
+    /// apply its XORs, start reading the next window's sources when `prefetch` (in a
+    /// valid merge order, which `Merge::new` checked, no op reads a block an earlier
+    /// op writes, so writes still running cannot change what those reads return; its
+    /// XOR payloads are decoded meanwhile), and arrange its blocks for writing.
+    #[allow(clippy::too_many_arguments)]
+    fn assemble(
+        &mut self,
+        m: &Merge,
+        io: &mut dyn MergeIo,
+        at: usize,
+        prefetch: bool,
+        slot: usize,
+        link: &mut DecoderLink,
+        decoder: &mut IoStats,
+        plan: &EarlyPlan,
+    ) -> Result<Ready> {
+        let (n, direct) = self.next_window.take().unwrap_or_else(|| m.window_at(at));
+        let p = match self.pending.take() {
+            Some(p) => p,
+            None => {
+                link.send(Job::Xor { pos: at, n });
+                // SAFETY: the staging area (2 * cap bytes) is not touched until
+                // `finish_sources` below waits for the reads.
+                unsafe { m.start_sources(io, at, n, self.staging)? }
+            }
+        };
+        debug_assert_eq!((p.pos, p.n), (at, n));
+        let xors = link.take(m, Job::Xor { pos: at, n }, decoder)?;
+        // SAFETY: the staging area is 2 * cap bytes inside the arena, disjoint from
+        // every slice in use; `finish_sources` reads it only after waiting for the
+        // reads into it.
+        let staged = unsafe { std::slice::from_raw_parts(self.staging, 2 * self.cap) };
+        let window = &mut *self.windows[slot];
+        m.finish_sources(io, &p, window, staged, &xors.data)?;
+        let next = at + n;
+        if prefetch && next < m.ordered {
+            let (len, d) = m.window_at(next);
+            self.next_window = Some((len, d));
+            link.send(Job::Xor { pos: next, n: len });
+            // SAFETY: the staging area (consumed by `finish_sources` above) is left
+            // alone until the next assembly's `finish_sources` waits for these reads;
+            // `run` waits for them on every other path before the arena is dropped.
+            self.pending = Some(unsafe { m.start_sources(io, next, len, self.staging)? });
+        }
+        let data = WindowData {
+            blocks: window,
+            early: plan.window(at),
+            early_data: &xors.early,
+        };
+        let arranged = m.arrange(at, n, data, self.sorteds[slot]);
+        Ok(Ready {
+            pos: at,
+            n,
+            direct,
+            arranged,
+        })
+    }
 }
 
 /// The run's link to the XOR decoder thread (`prepare::serve`): jobs sent, in order,

@@ -17,30 +17,7 @@ use crate::create::sha256_file;
 use crate::error::{Context, Error, Result, invalid, mismatch};
 use crate::progress::{Event, Observer, Phases};
 
-/// What an install did with one partition.
-#[derive(Debug, Clone, Serialize, schemars::JsonSchema)]
-pub struct Installed {
-    /// The partition.
-    pub name: String,
-    /// Its base.
-    pub base: PathBuf,
-    /// The COW written.
-    pub cow: PathBuf,
-    /// Its manifest sidecar.
-    pub manifest: PathBuf,
-    /// The COW's size in bytes.
-    pub cow_size: u64,
-    /// The dm-verity hash file of the new image (bundles made with verity).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub verity: Option<PathBuf>,
-    /// Its root hash, hex (the signed manifest's).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub root_hash: Option<String>,
-    /// False when an earlier, interrupted install had already finished it.
-    pub written: bool,
-    /// Payload bytes an earlier, interrupted download had saved (not fetched again).
-    pub resumed_bytes: u64,
-}
+pub use crate::progress::Installed;
 
 /// An install's inputs.
 #[derive(Clone, Copy)]

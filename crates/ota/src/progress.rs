@@ -2,11 +2,9 @@
 //! size (planning, writing a COW, proving an image) and the milestones of an install,
 //! so that an embedding program shows a bar, logs, or reports to its server.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use bundle::BundleManifest;
-
-use crate::install::Installed;
 
 /// What the application reports as it works.
 #[derive(Debug, Clone, Copy)]
@@ -88,4 +86,29 @@ impl delta::Progress for Phases<'_> {
     fn make_temp(&self, dir: &Path, name: &str) -> std::io::Result<tempfile::NamedTempFile> {
         crate::output::temp_in(dir, name)
     }
+}
+
+/// What an install did with one partition.
+#[derive(Debug, Clone, serde::Serialize, schemars::JsonSchema)]
+pub struct Installed {
+    /// The partition.
+    pub name: String,
+    /// Its base.
+    pub base: PathBuf,
+    /// The COW written.
+    pub cow: PathBuf,
+    /// Its manifest sidecar.
+    pub manifest: PathBuf,
+    /// The COW's size in bytes.
+    pub cow_size: u64,
+    /// The dm-verity hash file of the new image (bundles made with verity).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub verity: Option<PathBuf>,
+    /// Its root hash, hex (the signed manifest's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub root_hash: Option<String>,
+    /// False when an earlier, interrupted install had already finished it.
+    pub written: bool,
+    /// Payload bytes an earlier, interrupted download had saved (not fetched again).
+    pub resumed_bytes: u64,
 }

@@ -1,23 +1,7 @@
 //! The bodies of the NBD and FUSE request fuzz targets, shared with the tests that
 //! replay their fuzz corpora in the normal test run. Not part of the stable API.
 
-use engine::BlockDevice;
-
-/// A device of `.0` bytes whose byte at `offset` is `offset % 251` (a prime,
-/// so no power-of-two misplacement reads back the same bytes).
-pub struct Pattern(pub u64);
-
-impl BlockDevice for Pattern {
-    fn size(&self) -> u64 {
-        self.0
-    }
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> engine::Result<()> {
-        for (i, b) in buf.iter_mut().enumerate() {
-            *b = ((offset + i as u64) % 251) as u8;
-        }
-        Ok(())
-    }
-}
+pub use crate::pattern::Pattern;
 
 /// Feed `data` to the NBD server as everything one client sends, then hang
 /// up. The server must never panic, hang or stall a later connection, and

@@ -17,7 +17,11 @@ pub mod fuse;
 pub mod fuzzing;
 pub mod leftovers;
 pub mod mount;
+pub mod mountpoint;
 pub mod nbd;
+#[cfg(any(test, feature = "fuzzing"))]
+#[doc(hidden)]
+pub mod pattern;
 pub mod ublk;
 pub mod verity;
 mod workers;

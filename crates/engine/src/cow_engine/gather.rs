@@ -21,7 +21,7 @@
 use std::ops::Range;
 use std::sync::Mutex;
 
-use cow::OpKind;
+use cow::{Op, OpKind};
 
 use smallvec::SmallVec;
 
@@ -188,61 +188,12 @@ impl CowEngine {
     /// plans with several base/XOR segments (small requests stay on the inline path).
     pub(super) fn execute_gathered(&self, plan: &[Seg], buf: &mut [u8]) -> Result<()> {
         let ops = self.reader.ops();
-        // Destinations of base/XOR segments and of fully covered REPLACE units, by item.
-        let mut targets: Vec<(Seg, &mut [u8])> = Vec::with_capacity(plan.len());
-        let mut others: Vec<(Seg, &mut [u8])> = Vec::new();
-        let mut base_wants: Vec<Want> = Vec::with_capacity(plan.len());
-        let mut cow_wants: Vec<Want> = Vec::new();
-        let mut rest = buf;
-        for seg in plan {
-            let (head, tail) = std::mem::take(&mut rest).split_at_mut(seg.len());
-            rest = tail;
-            let item = targets.len();
-            match *seg {
-                Seg::Base { offset, len } => base_wants.push(Want {
-                    start: offset,
-                    end: offset + len as u64,
-                    item,
-                }),
-                Seg::Xor {
-                    op,
-                    block_offset,
-                    len,
-                } => {
-                    let op = &ops[op as usize];
-                    let start = op.source + block_offset as u64;
-                    base_wants.push(Want {
-                        start,
-                        end: start + len as u64,
-                        item,
-                    });
-                    cow_wants.push(Want {
-                        start: op.data_offset,
-                        end: op.data_offset + u64::from(op.data_length),
-                        item,
-                    });
-                }
-                Seg::Replace {
-                    op,
-                    unit_offset: 0,
-                    len,
-                } if len == ops[op as usize].unit_size()
-                    && ops[op as usize].kind == OpKind::Replace =>
-                {
-                    let op = &ops[op as usize];
-                    cow_wants.push(Want {
-                        start: op.data_offset,
-                        end: op.data_offset + u64::from(op.data_length),
-                        item,
-                    });
-                }
-                _ => {
-                    others.push((*seg, head));
-                    continue;
-                }
-            }
-            targets.push((*seg, head));
-        }
+        let Sorted {
+            mut targets,
+            mut others,
+            mut base_wants,
+            mut cow_wants,
+        } = sort_segments(ops, plan, buf);
         let base_runs = plan_runs(&mut base_wants, BASE_GAP, RUN_MAX);
         let cow_runs = plan_runs(&mut cow_wants, COW_GAP, RUN_MAX);
         let base_size = self.base.size();
@@ -582,6 +533,80 @@ fn read_parts(file: &ImageFile, offset: u64, parts: &mut Parts<'_>) -> Result<()
         at += p.len() as u64;
     }
     Ok(())
+}
+
+/// A plan's segments sorted for gathering: the destinations of base/XOR segments and
+/// of fully covered REPLACE units (`targets`, by item) with the source ranges they
+/// want from the base and the COW, and the segments served one by one (`others`).
+struct Sorted<'b> {
+    targets: Vec<(Seg, &'b mut [u8])>,
+    others: Vec<(Seg, &'b mut [u8])>,
+    base_wants: Vec<Want>,
+    cow_wants: Vec<Want>,
+}
+
+/// Cuts `buf` into each segment's destination and sorts them ([`Sorted`]).
+fn sort_segments<'b>(ops: &[Op], plan: &[Seg], buf: &'b mut [u8]) -> Sorted<'b> {
+    let mut targets: Vec<(Seg, &mut [u8])> = Vec::with_capacity(plan.len());
+    let mut others: Vec<(Seg, &mut [u8])> = Vec::new();
+    let mut base_wants: Vec<Want> = Vec::with_capacity(plan.len());
+    let mut cow_wants: Vec<Want> = Vec::new();
+    let mut rest = buf;
+    for seg in plan {
+        let (head, tail) = std::mem::take(&mut rest).split_at_mut(seg.len());
+        rest = tail;
+        let item = targets.len();
+        match *seg {
+            Seg::Base { offset, len } => base_wants.push(Want {
+                start: offset,
+                end: offset + len as u64,
+                item,
+            }),
+            Seg::Xor {
+                op,
+                block_offset,
+                len,
+            } => {
+                let op = &ops[op as usize];
+                let start = op.source + block_offset as u64;
+                base_wants.push(Want {
+                    start,
+                    end: start + len as u64,
+                    item,
+                });
+                cow_wants.push(Want {
+                    start: op.data_offset,
+                    end: op.data_offset + u64::from(op.data_length),
+                    item,
+                });
+            }
+            Seg::Replace {
+                op,
+                unit_offset: 0,
+                len,
+            } if len == ops[op as usize].unit_size()
+                && ops[op as usize].kind == OpKind::Replace =>
+            {
+                let op = &ops[op as usize];
+                cow_wants.push(Want {
+                    start: op.data_offset,
+                    end: op.data_offset + u64::from(op.data_length),
+                    item,
+                });
+            }
+            _ => {
+                others.push((*seg, head));
+                continue;
+            }
+        }
+        targets.push((*seg, head));
+    }
+    Sorted {
+        targets,
+        others,
+        base_wants,
+        cow_wants,
+    }
 }
 
 #[cfg(test)]

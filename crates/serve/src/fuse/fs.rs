@@ -58,29 +58,9 @@ impl DiskFs {
     /// `max_pages`). READ data is written by the engine straight into `out`.
     pub(crate) fn handle(&self, h: &InHeader, arg: &[u8], rest: &[u8], out: &mut [u8]) -> Outcome {
         use Outcome::*;
-        let ok = |n: Option<usize>| n.map_or(Error(libc::EIO), Reply);
+        let ok = reply;
         match h.opcode {
-            proto::LOOKUP => {
-                // The name is NUL-terminated.
-                let name = rest.split(|&b| b == 0).next().unwrap_or_default();
-                match self.attr(FILE_ID) {
-                    Some(attr) if h.nodeid == proto::ROOT_ID && name == self.name => {
-                        ok(proto::put(
-                            out,
-                            &proto::EntryOut {
-                                nodeid: FILE_ID,
-                                generation: 0,
-                                entry_valid: TTL_SECS,
-                                attr_valid: TTL_SECS,
-                                entry_valid_nsec: 0,
-                                attr_valid_nsec: 0,
-                                attr,
-                            },
-                        ))
-                    }
-                    _ => Error(libc::ENOENT),
-                }
-            }
+            proto::LOOKUP => self.lookup(h, rest, out),
             proto::GETATTR => match self.attr(h.nodeid) {
                 Some(attr) => ok(proto::put(
                     out,
@@ -93,83 +73,13 @@ impl DiskFs {
                 )),
                 None => Error(libc::ENOENT),
             },
-            proto::OPEN => {
-                let Some(o) = proto::read::<proto::OpenIn>(arg) else {
-                    return Error(libc::EINVAL);
-                };
-                if h.nodeid != FILE_ID {
-                    Error(libc::EISDIR)
-                } else if o.flags & libc::O_ACCMODE as u32 != libc::O_RDONLY as u32 {
-                    Error(libc::EROFS)
-                } else {
-                    ok(proto::put(
-                        out,
-                        &proto::OpenOut {
-                            fh: 0,
-                            open_flags: proto::FOPEN_DIRECT_IO,
-                            backing_id: 0,
-                        },
-                    ))
-                }
-            }
+            proto::OPEN => self.open(h, arg, out),
             proto::OPENDIR => match h.nodeid {
                 proto::ROOT_ID => ok(proto::put(out, &proto::OpenOut::default())),
                 _ => Error(libc::ENOTDIR),
             },
-            proto::READ => {
-                let Some(r) = proto::read::<proto::ReadIn>(arg) else {
-                    return Error(libc::EINVAL);
-                };
-                if h.nodeid != FILE_ID {
-                    return Error(libc::EISDIR);
-                }
-                if r.offset >= self.size {
-                    return Reply(0);
-                }
-                let n = u64::from(r.size).min(self.size - r.offset) as usize;
-                let Some(buf) = out.get_mut(..n) else {
-                    return Error(libc::EINVAL);
-                };
-                let _span = trace::spans::span("fuse read", r.offset, n as u64);
-                match self.dev.read_at(buf, r.offset) {
-                    Ok(()) => Reply(n),
-                    Err(e) => {
-                        log::warn!(
-                            "vabc serve: FUSE read of {n} bytes at offset {}: {e}",
-                            r.offset
-                        );
-                        Error(e.errno())
-                    }
-                }
-            }
-            proto::READDIR => {
-                let Some(r) = proto::read::<proto::ReadIn>(arg) else {
-                    return Error(libc::EINVAL);
-                };
-                if h.nodeid != proto::ROOT_ID {
-                    return Error(libc::ENOTDIR);
-                }
-                let entries: [(u64, u32, &[u8]); 3] = [
-                    (proto::ROOT_ID, proto::DT_DIR, b"."),
-                    (proto::ROOT_ID, proto::DT_DIR, b".."),
-                    (FILE_ID, proto::DT_REG, &self.name),
-                ];
-                let limit = (r.size as usize).min(out.len());
-                let mut used = 0;
-                for (i, (ino, typ, name)) in entries.iter().enumerate().skip(r.offset as usize) {
-                    if !proto::put_dirent(
-                        &mut out[..limit],
-                        &mut used,
-                        *ino,
-                        i as u64 + 1,
-                        *typ,
-                        name,
-                    ) {
-                        break;
-                    }
-                }
-                Reply(used)
-            }
+            proto::READ => self.read(h, arg, out),
+            proto::READDIR => self.readdir(h, arg, out),
             proto::STATFS => ok(proto::put(
                 out,
                 &proto::StatfsOut {
@@ -222,6 +132,104 @@ impl DiskFs {
             _ => Error(libc::ENOSYS),
         }
     }
+
+    /// The one file, in the root.
+    fn lookup(&self, h: &InHeader, rest: &[u8], out: &mut [u8]) -> Outcome {
+        // The name is NUL-terminated.
+        let name = rest.split(|&b| b == 0).next().unwrap_or_default();
+        match self.attr(FILE_ID) {
+            Some(attr) if h.nodeid == proto::ROOT_ID && name == self.name => reply(proto::put(
+                out,
+                &proto::EntryOut {
+                    nodeid: FILE_ID,
+                    generation: 0,
+                    entry_valid: TTL_SECS,
+                    attr_valid: TTL_SECS,
+                    entry_valid_nsec: 0,
+                    attr_valid_nsec: 0,
+                    attr,
+                },
+            )),
+            _ => Outcome::Error(libc::ENOENT),
+        }
+    }
+
+    /// Read-only, and only the file.
+    fn open(&self, h: &InHeader, arg: &[u8], out: &mut [u8]) -> Outcome {
+        let Some(o) = proto::read::<proto::OpenIn>(arg) else {
+            return Outcome::Error(libc::EINVAL);
+        };
+        if h.nodeid != FILE_ID {
+            Outcome::Error(libc::EISDIR)
+        } else if o.flags & libc::O_ACCMODE as u32 != libc::O_RDONLY as u32 {
+            Outcome::Error(libc::EROFS)
+        } else {
+            reply(proto::put(
+                out,
+                &proto::OpenOut {
+                    fh: 0,
+                    open_flags: proto::FOPEN_DIRECT_IO,
+                    backing_id: 0,
+                },
+            ))
+        }
+    }
+
+    /// The engine reads straight into the reply; short at the end of the file.
+    fn read(&self, h: &InHeader, arg: &[u8], out: &mut [u8]) -> Outcome {
+        let Some(r) = proto::read::<proto::ReadIn>(arg) else {
+            return Outcome::Error(libc::EINVAL);
+        };
+        if h.nodeid != FILE_ID {
+            return Outcome::Error(libc::EISDIR);
+        }
+        if r.offset >= self.size {
+            return Outcome::Reply(0);
+        }
+        let n = u64::from(r.size).min(self.size - r.offset) as usize;
+        let Some(buf) = out.get_mut(..n) else {
+            return Outcome::Error(libc::EINVAL);
+        };
+        let _span = trace::spans::span("fuse read", r.offset, n as u64);
+        match self.dev.read_at(buf, r.offset) {
+            Ok(()) => Outcome::Reply(n),
+            Err(e) => {
+                log::warn!(
+                    "vabc serve: FUSE read of {n} bytes at offset {}: {e}",
+                    r.offset
+                );
+                Outcome::Error(e.errno())
+            }
+        }
+    }
+
+    /// The root holds `.`, `..` and the file.
+    fn readdir(&self, h: &InHeader, arg: &[u8], out: &mut [u8]) -> Outcome {
+        let Some(r) = proto::read::<proto::ReadIn>(arg) else {
+            return Outcome::Error(libc::EINVAL);
+        };
+        if h.nodeid != proto::ROOT_ID {
+            return Outcome::Error(libc::ENOTDIR);
+        }
+        let entries: [(u64, u32, &[u8]); 3] = [
+            (proto::ROOT_ID, proto::DT_DIR, b"."),
+            (proto::ROOT_ID, proto::DT_DIR, b".."),
+            (FILE_ID, proto::DT_REG, &self.name),
+        ];
+        let limit = (r.size as usize).min(out.len());
+        let mut used = 0;
+        for (i, (ino, typ, name)) in entries.iter().enumerate().skip(r.offset as usize) {
+            if !proto::put_dirent(&mut out[..limit], &mut used, *ino, i as u64 + 1, *typ, name) {
+                break;
+            }
+        }
+        Outcome::Reply(used)
+    }
+}
+
+/// A reply of the size `put` wrote, EIO when it did not fit.
+fn reply(n: Option<usize>) -> Outcome {
+    n.map_or(Outcome::Error(libc::EIO), Outcome::Reply)
 }
 
 /// The kernel asks the server only for SEEK_DATA and SEEK_HOLE.
@@ -240,7 +248,7 @@ pub(crate) fn seek_whence(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fuzzing::Pattern;
+    use crate::pattern::Pattern;
 
     fn fs() -> DiskFs {
         DiskFs {

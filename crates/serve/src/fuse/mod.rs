@@ -43,7 +43,7 @@ use engine::{AlignedBuf, BlockDevice, ReadaheadOptions};
 
 use self::fs::{DiskFs, Outcome};
 use self::uring::UringOptions;
-use crate::mount::free_mount_dir;
+use crate::mountpoint::free_mount_dir;
 use crate::{Result, ServeError, io_err, readahead_for};
 
 /// Largest request the kernel sends with the default `fs.fuse.max_pages_limit`.

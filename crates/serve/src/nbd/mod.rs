@@ -841,31 +841,19 @@ fn handshake(sh: &Shared, s: &mut Stream, watch: &Watch) -> io::Result<Negotiate
     if cflags & !(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES) != 0 {
         return Err(protocol(format!("unknown client flags {cflags:#x}")));
     }
-    let no_zeroes = cflags & FLAG_C_NO_ZEROES != 0;
-    let size = sh.dev.size();
-    let name_ok = |n: &[u8]| n.is_empty() || n == sh.opts.export_name.as_bytes();
-    let mut session = Session::default();
-    // With TLS configured, nothing but STARTTLS (or ABORT) before the session is
-    // encrypted: not even the export's size.
-    let mut need_tls = sh.opts.tls.is_some();
+    let mut h = Handshake {
+        sh,
+        watch,
+        size: sh.dev.size(),
+        no_zeroes: cflags & FLAG_C_NO_ZEROES != 0,
+        session: Session::default(),
+        // With TLS configured, nothing but STARTTLS (or ABORT) before the session is
+        // encrypted: not even the export's size.
+        need_tls: sh.opts.tls.is_some(),
+    };
     loop {
-        // The magic is checked before the rest is waited for: a client speaking
-        // something else is dropped at once.
-        let mut req = OptionRequest::new_zeroed();
-        let rest = std::mem::offset_of!(OptionRequest, option);
-        s.read_exact(&mut req.as_mut_bytes()[..rest])?;
-        let magic = req.magic.get();
-        if magic != IHAVEOPT {
-            return Err(protocol(format!("bad option magic {magic:#x}")));
-        }
-        s.read_exact(&mut req.as_mut_bytes()[rest..])?;
-        let (opt, len) = (req.option.get(), req.length.get());
-        if len > MAX_OPTION_LEN {
-            return Err(protocol(format!("option {opt} of {len} bytes is too long")));
-        }
-        let mut data = vec![0u8; len as usize];
-        s.read_exact(&mut data)?;
-        if need_tls && !matches!(opt, OPT_STARTTLS | OPT_ABORT) {
+        let (opt, data) = read_option(s)?;
+        if h.need_tls && !matches!(opt, OPT_STARTTLS | OPT_ABORT) {
             if opt == OPT_EXPORT_NAME {
                 return Err(protocol(
                     "EXPORT_NAME before STARTTLS; TLS is required".into(),
@@ -874,156 +862,225 @@ fn handshake(sh: &Shared, s: &mut Stream, watch: &Watch) -> io::Result<Negotiate
             option_reply(s, opt, REP_ERR_TLS_REQD, b"TLS is required: STARTTLS first")?;
             continue;
         }
-        match opt {
-            OPT_STARTTLS => {
-                let config = match (&sh.opts.tls, &*s) {
-                    (Some(c), Stream::Tcp(_)) if len == 0 => c.clone(),
-                    (Some(_), Stream::Tcp(_)) => {
-                        option_reply(s, opt, REP_ERR_INVALID, b"STARTTLS takes no data")?;
-                        continue;
-                    }
-                    (Some(_), _) => {
-                        option_reply(s, opt, REP_ERR_INVALID, b"TLS is already on")?;
-                        continue;
-                    }
-                    (None, _) => {
-                        option_reply(s, opt, REP_ERR_UNSUP, b"this server has no TLS")?;
-                        continue;
-                    }
-                };
-                option_reply(s, opt, REP_ACK, &[])?;
-                let Stream::Tcp(tcp) = &*s else {
-                    return Err(protocol("STARTTLS on a stream that is not TCP".into()));
-                };
-                let tls = TlsStream::accept(tcp.try_clone()?, config)?;
-                *s = Stream::Tls(Arc::new(tls));
-                need_tls = false;
-            }
-            OPT_EXPORT_NAME => {
-                if !name_ok(&data) {
-                    return Err(protocol(format!(
-                        "unknown export {:?}",
-                        String::from_utf8_lossy(&data)
-                    )));
-                }
-                if !take_slot(sh, watch) {
-                    return Ok(Negotiated::Closed);
-                }
-                let reply = ExportNameReply {
-                    size: U64::new(size),
-                    transmission_flags: U16::new(transmission_flags()),
-                };
-                let mut m = Vec::with_capacity(size_of::<ExportNameReply>() + 124);
-                m.extend_from_slice(reply.as_bytes());
-                if !no_zeroes {
-                    m.extend_from_slice(&[0u8; 124]);
-                }
-                s.write_all(&m)?;
-                return Ok(Negotiated::Transmit(session));
-            }
+        let step = match opt {
+            OPT_STARTTLS => h.starttls(s, &data)?,
+            OPT_EXPORT_NAME => h.export_name(s, &data)?,
             OPT_ABORT => {
                 let _ = option_reply(s, opt, REP_ACK, &[]);
-                return Ok(Negotiated::Closed);
+                Some(Negotiated::Closed)
             }
-            OPT_LIST => {
-                if len != 0 {
-                    option_reply(s, opt, REP_ERR_INVALID, b"LIST takes no data")?;
-                    continue;
-                }
-                let name = sh.opts.export_name.as_bytes();
-                let mut d = Vec::with_capacity(4 + name.len());
-                d.extend_from_slice(U32::new(name.len() as u32).as_bytes());
-                d.extend_from_slice(name);
-                option_reply(s, opt, REP_SERVER, &d)?;
-                option_reply(s, opt, REP_ACK, &[])?;
-            }
-            OPT_INFO | OPT_GO => {
-                // Name length, name, count of info types, the info types.
-                let parsed = (|| {
-                    let (nlen, rest) = U32::read_from_prefix(&data).ok()?;
-                    let nlen = nlen.get() as usize;
-                    let name = rest.get(..nlen)?;
-                    let (n, infos) = U16::read_from_prefix(rest.get(nlen..)?).ok()?;
-                    (infos.len() == 2 * usize::from(n.get())).then_some(name)
-                })();
-                let Some(name) = parsed else {
-                    option_reply(s, opt, REP_ERR_INVALID, b"malformed INFO/GO request")?;
-                    continue;
-                };
-                if !name_ok(name) {
-                    option_reply(s, opt, REP_ERR_UNKNOWN, b"no such export")?;
-                    continue;
-                }
-                if opt == OPT_GO && !take_slot(sh, watch) {
-                    return Ok(Negotiated::Closed);
-                }
-                let export = InfoExport {
-                    info_type: U16::new(INFO_EXPORT),
-                    size: U64::new(size),
-                    transmission_flags: U16::new(transmission_flags()),
-                };
-                option_reply(s, opt, REP_INFO, export.as_bytes())?;
-                let bs = InfoBlockSize {
-                    info_type: U16::new(INFO_BLOCK_SIZE),
-                    minimum: U32::new(1),
-                    preferred: U32::new(PREFERRED_BLOCK),
-                    maximum: U32::new(MAX_REQUEST),
-                };
-                option_reply(s, opt, REP_INFO, bs.as_bytes())?;
-                option_reply(s, opt, REP_ACK, &[])?;
-                if opt == OPT_GO {
-                    return Ok(Negotiated::Transmit(session));
-                }
-            }
+            OPT_LIST => h.list(s, &data)?,
+            OPT_INFO | OPT_GO => h.info_or_go(s, opt, &data)?,
             OPT_STRUCTURED_REPLY => {
-                if len != 0 {
-                    option_reply(s, opt, REP_ERR_INVALID, b"STRUCTURED_REPLY takes no data")?;
-                    continue;
-                }
-                session.structured = true;
-                option_reply(s, opt, REP_ACK, &[])?;
-            }
-            OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => {
-                let list = opt == OPT_LIST_META_CONTEXT;
-                if !list && !session.structured {
-                    option_reply(
-                        s,
-                        opt,
-                        REP_ERR_INVALID,
-                        b"negotiate structured replies first",
-                    )?;
-                    continue;
-                }
-                let Some((name, queries)) = parse_meta_request(&data) else {
-                    option_reply(s, opt, REP_ERR_INVALID, b"malformed META_CONTEXT request")?;
-                    continue;
-                };
-                if !name_ok(name) {
-                    option_reply(s, opt, REP_ERR_UNKNOWN, b"no such export")?;
-                    continue;
-                }
-                // LIST with no query lists everything, "base:" every base context; SET
-                // selects exactly what it names, anew each time.
-                let chosen = if queries.is_empty() {
-                    list
+                if data.is_empty() {
+                    h.session.structured = true;
+                    option_reply(s, opt, REP_ACK, &[])?;
                 } else {
-                    queries
-                        .iter()
-                        .any(|q| *q == BASE_ALLOCATION || (list && *q == b"base:"))
-                };
-                if chosen {
-                    let mut d = Vec::with_capacity(4 + BASE_ALLOCATION.len());
-                    d.extend_from_slice(U32::new(BASE_ALLOCATION_ID).as_bytes());
-                    d.extend_from_slice(BASE_ALLOCATION);
-                    option_reply(s, opt, REP_META_CONTEXT, &d)?;
+                    option_reply(s, opt, REP_ERR_INVALID, b"STRUCTURED_REPLY takes no data")?;
                 }
-                if !list {
-                    session.allocation = chosen;
-                }
-                option_reply(s, opt, REP_ACK, &[])?;
+                None
             }
-            _ => option_reply(s, opt, REP_ERR_UNSUP, &[])?,
+            OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => h.meta_context(s, opt, &data)?,
+            _ => {
+                option_reply(s, opt, REP_ERR_UNSUP, &[])?;
+                None
+            }
+        };
+        if let Some(done) = step {
+            return Ok(done);
         }
+    }
+}
+
+/// One option request: its number and data. The magic is checked before the rest is
+/// waited for: a client speaking something else is dropped at once.
+fn read_option(s: &mut Stream) -> io::Result<(u32, Vec<u8>)> {
+    let mut req = OptionRequest::new_zeroed();
+    let rest = std::mem::offset_of!(OptionRequest, option);
+    s.read_exact(&mut req.as_mut_bytes()[..rest])?;
+    let magic = req.magic.get();
+    if magic != IHAVEOPT {
+        return Err(protocol(format!("bad option magic {magic:#x}")));
+    }
+    s.read_exact(&mut req.as_mut_bytes()[rest..])?;
+    let (opt, len) = (req.option.get(), req.length.get());
+    if len > MAX_OPTION_LEN {
+        return Err(protocol(format!("option {opt} of {len} bytes is too long")));
+    }
+    let mut data = vec![0u8; len as usize];
+    s.read_exact(&mut data)?;
+    Ok((opt, data))
+}
+
+/// The option haggling of one connection. Each option's handler answers it and
+/// returns how the handshake ended, or `None` to go on.
+struct Handshake<'a> {
+    sh: &'a Shared,
+    watch: &'a Watch,
+    size: u64,
+    no_zeroes: bool,
+    session: Session,
+    need_tls: bool,
+}
+
+impl Handshake<'_> {
+    fn name_ok(&self, n: &[u8]) -> bool {
+        n.is_empty() || n == self.sh.opts.export_name.as_bytes()
+    }
+
+    fn starttls(&mut self, s: &mut Stream, data: &[u8]) -> io::Result<Option<Negotiated>> {
+        let opt = OPT_STARTTLS;
+        let config = match (&self.sh.opts.tls, &*s) {
+            (Some(c), Stream::Tcp(_)) if data.is_empty() => c.clone(),
+            (Some(_), Stream::Tcp(_)) => {
+                option_reply(s, opt, REP_ERR_INVALID, b"STARTTLS takes no data")?;
+                return Ok(None);
+            }
+            (Some(_), _) => {
+                option_reply(s, opt, REP_ERR_INVALID, b"TLS is already on")?;
+                return Ok(None);
+            }
+            (None, _) => {
+                option_reply(s, opt, REP_ERR_UNSUP, b"this server has no TLS")?;
+                return Ok(None);
+            }
+        };
+        option_reply(s, opt, REP_ACK, &[])?;
+        let Stream::Tcp(tcp) = &*s else {
+            return Err(protocol("STARTTLS on a stream that is not TCP".into()));
+        };
+        let tls = TlsStream::accept(tcp.try_clone()?, config)?;
+        *s = Stream::Tls(Arc::new(tls));
+        self.need_tls = false;
+        Ok(None)
+    }
+
+    fn export_name(&mut self, s: &mut Stream, data: &[u8]) -> io::Result<Option<Negotiated>> {
+        if !self.name_ok(data) {
+            return Err(protocol(format!(
+                "unknown export {:?}",
+                String::from_utf8_lossy(data)
+            )));
+        }
+        if !take_slot(self.sh, self.watch) {
+            return Ok(Some(Negotiated::Closed));
+        }
+        let reply = ExportNameReply {
+            size: U64::new(self.size),
+            transmission_flags: U16::new(transmission_flags()),
+        };
+        let mut m = Vec::with_capacity(size_of::<ExportNameReply>() + 124);
+        m.extend_from_slice(reply.as_bytes());
+        if !self.no_zeroes {
+            m.extend_from_slice(&[0u8; 124]);
+        }
+        s.write_all(&m)?;
+        Ok(Some(Negotiated::Transmit(std::mem::take(
+            &mut self.session,
+        ))))
+    }
+
+    fn list(&mut self, s: &mut Stream, data: &[u8]) -> io::Result<Option<Negotiated>> {
+        let opt = OPT_LIST;
+        if !data.is_empty() {
+            option_reply(s, opt, REP_ERR_INVALID, b"LIST takes no data")?;
+            return Ok(None);
+        }
+        let name = self.sh.opts.export_name.as_bytes();
+        let mut d = Vec::with_capacity(4 + name.len());
+        d.extend_from_slice(U32::new(name.len() as u32).as_bytes());
+        d.extend_from_slice(name);
+        option_reply(s, opt, REP_SERVER, &d)?;
+        option_reply(s, opt, REP_ACK, &[])?;
+        Ok(None)
+    }
+
+    fn info_or_go(
+        &mut self,
+        s: &mut Stream,
+        opt: u32,
+        data: &[u8],
+    ) -> io::Result<Option<Negotiated>> {
+        // Name length, name, count of info types, the info types.
+        let parsed = (|| {
+            let (nlen, rest) = U32::read_from_prefix(data).ok()?;
+            let nlen = nlen.get() as usize;
+            let name = rest.get(..nlen)?;
+            let (n, infos) = U16::read_from_prefix(rest.get(nlen..)?).ok()?;
+            (infos.len() == 2 * usize::from(n.get())).then_some(name)
+        })();
+        let Some(name) = parsed else {
+            option_reply(s, opt, REP_ERR_INVALID, b"malformed INFO/GO request")?;
+            return Ok(None);
+        };
+        if !self.name_ok(name) {
+            option_reply(s, opt, REP_ERR_UNKNOWN, b"no such export")?;
+            return Ok(None);
+        }
+        if opt == OPT_GO && !take_slot(self.sh, self.watch) {
+            return Ok(Some(Negotiated::Closed));
+        }
+        let export = InfoExport {
+            info_type: U16::new(INFO_EXPORT),
+            size: U64::new(self.size),
+            transmission_flags: U16::new(transmission_flags()),
+        };
+        option_reply(s, opt, REP_INFO, export.as_bytes())?;
+        let bs = InfoBlockSize {
+            info_type: U16::new(INFO_BLOCK_SIZE),
+            minimum: U32::new(1),
+            preferred: U32::new(PREFERRED_BLOCK),
+            maximum: U32::new(MAX_REQUEST),
+        };
+        option_reply(s, opt, REP_INFO, bs.as_bytes())?;
+        option_reply(s, opt, REP_ACK, &[])?;
+        Ok((opt == OPT_GO).then(|| Negotiated::Transmit(std::mem::take(&mut self.session))))
+    }
+
+    fn meta_context(
+        &mut self,
+        s: &mut Stream,
+        opt: u32,
+        data: &[u8],
+    ) -> io::Result<Option<Negotiated>> {
+        let list = opt == OPT_LIST_META_CONTEXT;
+        if !list && !self.session.structured {
+            option_reply(
+                s,
+                opt,
+                REP_ERR_INVALID,
+                b"negotiate structured replies first",
+            )?;
+            return Ok(None);
+        }
+        let Some((name, queries)) = parse_meta_request(data) else {
+            option_reply(s, opt, REP_ERR_INVALID, b"malformed META_CONTEXT request")?;
+            return Ok(None);
+        };
+        if !self.name_ok(name) {
+            option_reply(s, opt, REP_ERR_UNKNOWN, b"no such export")?;
+            return Ok(None);
+        }
+        // LIST with no query lists everything, "base:" every base context; SET
+        // selects exactly what it names, anew each time.
+        let chosen = if queries.is_empty() {
+            list
+        } else {
+            queries
+                .iter()
+                .any(|q| *q == BASE_ALLOCATION || (list && *q == b"base:"))
+        };
+        if chosen {
+            let mut d = Vec::with_capacity(4 + BASE_ALLOCATION.len());
+            d.extend_from_slice(U32::new(BASE_ALLOCATION_ID).as_bytes());
+            d.extend_from_slice(BASE_ALLOCATION);
+            option_reply(s, opt, REP_META_CONTEXT, &d)?;
+        }
+        if !list {
+            self.session.allocation = chosen;
+        }
+        option_reply(s, opt, REP_ACK, &[])?;
+        Ok(None)
     }
 }
 
@@ -1193,7 +1250,7 @@ fn block_status(
     conn.chunk(cookie, REPLY_TYPE_BLOCK_STATUS, a, b, charge);
 }
 
-/// The body of the NBD fuzz target (see [`crate::fuzzing`]): the server side of
+/// The body of the NBD fuzz target (`fuzzing::exercise_nbd`): the server side of
 /// one connection over a socket pair, fed `input` as everything the client
 /// sends, then end of stream. Returns every byte the server sent back.
 #[cfg(any(test, feature = "fuzzing"))]
@@ -1216,7 +1273,7 @@ pub(crate) fn exercise_connection(input: &[u8]) -> Vec<u8> {
         // Not a multiple of 512, so that reads ending at the device's end are
         // partial blocks.
         Shared::new(
-            Arc::new(crate::fuzzing::Pattern((1 << 20) + 1000)),
+            Arc::new(crate::pattern::Pattern((1 << 20) + 1000)),
             &opts,
             "fuzz",
         )
@@ -1308,7 +1365,7 @@ mod tests {
     }
 
     /// Reads `len` bytes at `offset` (a simple reply) and checks them against the
-    /// [`crate::fuzzing::Pattern`] device.
+    /// [`crate::pattern::Pattern`] device.
     fn read_pattern(c: &mut (impl Read + Write), cookie: u64, offset: u64, len: u32) {
         c.write_all(&read_request(cookie, offset, len)).unwrap();
         let mut reply = vec![0u8; 16 + len as usize];
@@ -1318,7 +1375,7 @@ mod tests {
             &[&0u32.to_be_bytes()[..], &cookie.to_be_bytes()].concat()
         );
         let mut want = vec![0u8; len as usize];
-        crate::fuzzing::Pattern(u64::MAX)
+        crate::pattern::Pattern(u64::MAX)
             .read_at(&mut want, offset)
             .unwrap();
         assert!(reply[16..] == want[..], "{len} bytes at {offset}");
@@ -1410,7 +1467,7 @@ mod tests {
             handshake_timeout: Duration::from_millis(500),
             ..NbdOptions::default()
         };
-        let dev = Arc::new(crate::fuzzing::Pattern(1 << 20));
+        let dev = Arc::new(crate::pattern::Pattern(1 << 20));
         let (path, h) = server(dir.path(), dev, opts);
         let started = Instant::now();
         // Connected, never a byte sent: five times the negotiation slots.
@@ -1445,7 +1502,7 @@ mod tests {
             write_timeout: Duration::from_secs(1),
             ..NbdOptions::default()
         };
-        let dev = Arc::new(crate::fuzzing::Pattern(64 << 20));
+        let dev = Arc::new(crate::pattern::Pattern(64 << 20));
         let (path, h) = server(dir.path(), dev, opts);
         // 2,000 reads of 1 MiB (2 GiB), none of whose replies is read; the requests
         // (56 KB) fit the socket's buffer, so sending them does not block.
@@ -1484,7 +1541,7 @@ mod tests {
         };
         let s = NbdServer::bind(
             &"tcp:127.0.0.1:0".parse().unwrap(),
-            Arc::new(crate::fuzzing::Pattern(1 << 20)),
+            Arc::new(crate::pattern::Pattern(1 << 20)),
             &opts,
         )
         .unwrap();
@@ -1521,7 +1578,7 @@ mod tests {
         // Under the most permissive umask.
         // SAFETY: umask has no preconditions; restored below.
         let old = unsafe { libc::umask(0) };
-        let (path, h) = server(dir.path(), Arc::new(crate::fuzzing::Pattern(1 << 20)), opts);
+        let (path, h) = server(dir.path(), Arc::new(crate::pattern::Pattern(1 << 20)), opts);
         // SAFETY: as above.
         unsafe { libc::umask(old) };
         let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;

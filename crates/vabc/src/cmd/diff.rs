@@ -195,7 +195,32 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     ) else {
         bail!("diff needs OLD (or --base) and NEW (or --new)");
     };
-    let opts = ota::create::CowUpdateOptions {
+    let opts = update_options(&args, version, compression);
+    let u = ota::create::cow_update(
+        old_path,
+        new_path,
+        &args.output,
+        &opts,
+        &crate::progress::Bar::new(),
+    )?;
+    // Complete: the outputs stay.
+    ota::output::keep_outputs();
+    let report = make_report(&args, old_path, new_path, version, compression, &u, t0);
+    if args.json {
+        crate::report::print(&report)?;
+    } else {
+        print_text(&args, version, &report, &u.plan);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The COW, plan and tree options the flags ask for.
+fn update_options(
+    args: &Args,
+    version: u16,
+    compression: Compression,
+) -> ota::create::CowUpdateOptions {
+    ota::create::CowUpdateOptions {
         cow: CowOptions {
             version,
             compression,
@@ -219,16 +244,19 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             });
             (hashfile, args.verity_salt.clone())
         }),
-    };
-    let u = ota::create::cow_update(
-        old_path,
-        new_path,
-        &args.output,
-        &opts,
-        &crate::progress::Bar::new(),
-    )?;
-    // Complete: the outputs stay.
-    ota::output::keep_outputs();
+    }
+}
+
+/// `vabc diff --json`'s report of what was made.
+fn make_report(
+    args: &Args,
+    old_path: &std::path::Path,
+    new_path: &std::path::Path,
+    version: u16,
+    compression: Compression,
+    u: &ota::create::CowUpdate,
+    t0: Instant,
+) -> Report {
     let (plan, w, m) = (&u.plan, &u.written, &u.manifest);
     let verity = u.tree.as_ref().map(|(hashfile, f)| {
         super::verity::TreeReport::new(
@@ -240,9 +268,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         )
     });
     let c = plan.census;
-    let report = Report {
-        old: old_path.clone(),
-        new: new_path.clone(),
+    Report {
+        old: old_path.to_path_buf(),
+        new: new_path.to_path_buf(),
         output: args.output.clone(),
         old_size: plan.old_size,
         new_size: plan.new_size,
@@ -279,55 +307,55 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         write_seconds: w.seconds,
         seconds: t0.elapsed().as_secs_f64(),
         verity,
-    };
-    if args.json {
-        crate::report::print(&report)?;
-    } else {
-        println!(
-            "{}: {} bytes, {} ops (v{}, {}, {} KiB units{}) in {:.2} s",
-            args.output.display(),
-            report.cow_size,
-            report.ops,
-            version,
-            report.compression,
-            effective_factor(version, args.compression_factor) / 1024,
-            if args.block_order && version >= 3 {
-                ", block order"
-            } else {
-                ""
-            },
-            report.seconds
-        );
-        println!(
-            "blocks: {} unchanged, {} zero, {} copy, {} xor ({} bytes), {} replace ({} bytes; {} from merge cycles, {} from far XORs, {} from lone XORs)",
-            c.unchanged,
-            c.zero,
-            c.copy,
-            c.xor,
-            w.xor_bytes,
-            c.replace,
-            w.replace_bytes,
-            c.cycle_breaks,
-            c.far_xors,
-            c.lone_xors
-        );
-        if let Some(v) = &report.verity {
-            println!(
-                "verity: root hash {} ({}, salt {}, {} data blocks of {}) in {}",
-                v.root_hash,
-                v.hash_algorithm,
-                if v.salt.is_empty() { "-" } else { &v.salt },
-                v.data_blocks,
-                v.data_block_size,
-                v.hashfile.display()
-            );
-        }
-        if plan.new_size != plan.old_size {
-            println!(
-                "new image is {} bytes (old {}): apply with --size {}",
-                plan.new_size, plan.old_size, plan.new_size
-            );
-        }
     }
-    Ok(ExitCode::SUCCESS)
+}
+
+/// The report as text.
+fn print_text(args: &Args, version: u16, report: &Report, plan: &delta::Plan) {
+    let c = plan.census;
+    println!(
+        "{}: {} bytes, {} ops (v{}, {}, {} KiB units{}) in {:.2} s",
+        args.output.display(),
+        report.cow_size,
+        report.ops,
+        version,
+        report.compression,
+        effective_factor(version, args.compression_factor) / 1024,
+        if args.block_order && version >= 3 {
+            ", block order"
+        } else {
+            ""
+        },
+        report.seconds
+    );
+    println!(
+        "blocks: {} unchanged, {} zero, {} copy, {} xor ({} bytes), {} replace ({} bytes; {} from merge cycles, {} from far XORs, {} from lone XORs)",
+        c.unchanged,
+        c.zero,
+        c.copy,
+        c.xor,
+        report.bytes.xor,
+        c.replace,
+        report.bytes.replace,
+        c.cycle_breaks,
+        c.far_xors,
+        c.lone_xors
+    );
+    if let Some(v) = &report.verity {
+        println!(
+            "verity: root hash {} ({}, salt {}, {} data blocks of {}) in {}",
+            v.root_hash,
+            v.hash_algorithm,
+            if v.salt.is_empty() { "-" } else { &v.salt },
+            v.data_blocks,
+            v.data_block_size,
+            v.hashfile.display()
+        );
+    }
+    if plan.new_size != plan.old_size {
+        println!(
+            "new image is {} bytes (old {}): apply with --size {}",
+            plan.new_size, plan.old_size, plan.new_size
+        );
+    }
 }

@@ -69,6 +69,22 @@ pub(crate) struct AsyncParts {
     pub(crate) poll: Duration,
 }
 
+impl super::ring::Answer for AsyncParts {
+    fn ring_entries(&self, entries: usize) -> u32 {
+        ring_entries(entries)
+    }
+
+    fn serve(
+        self: Box<Self>,
+        q: &QueueThread,
+        ring: &mut Ring,
+        ents: &mut [Ent],
+        pending: Vec<cqueue::Entry>,
+    ) {
+        serve(q, *self, ring, ents, pending)
+    }
+}
+
 /// Submission queue size for `entries` ring entries: a FUSE command per entry plus a
 /// few reads per planned request; a fuller queue is submitted early ([`push`]).
 pub(crate) fn ring_entries(entries: usize) -> u32 {

@@ -230,10 +230,12 @@ pub(super) fn start_queues(
                 cpu: opts.pin.then_some(qid),
                 entries: opts.entries_per_thread.max(1),
                 payload_size: MAX_REQUEST,
-                async_mode: jobs.as_ref().map(|jobs| async_queue::AsyncParts {
-                    planned: planned.clone(),
-                    jobs: jobs.clone(),
-                    poll: opts.poll,
+                async_mode: jobs.as_ref().map(|jobs| {
+                    Box::new(async_queue::AsyncParts {
+                        planned: planned.clone(),
+                        jobs: jobs.clone(),
+                        poll: opts.poll,
+                    }) as Box<dyn ring::Answer>
                 }),
             };
             let tx = tx.clone();

@@ -45,7 +45,23 @@ pub(crate) struct QueueThread {
     pub(crate) entries: usize,
     pub(crate) payload_size: usize,
     /// `None`: answer every request on this thread, blocking in the engine.
-    pub(crate) async_mode: Option<super::async_queue::AsyncParts>,
+    pub(crate) async_mode: Option<Box<dyn Answer>>,
+}
+
+/// Another way for a queue thread to answer its ring's requests than one at a time on
+/// the thread ([`QueueThread::serve_sync`]): the worker pool's (`async_queue`).
+pub(crate) trait Answer: Send {
+    /// Submission entries the ring needs for `entries` registered requests.
+    fn ring_entries(&self, entries: usize) -> u32;
+    /// Answers requests until the ring is torn down; `pending` are the completions
+    /// already reaped.
+    fn serve(
+        self: Box<Self>,
+        q: &QueueThread,
+        ring: &mut Ring,
+        ents: &mut [Ent],
+        pending: Vec<cqueue::Entry>,
+    );
 }
 
 /// The ring of a queue thread: 128-byte SQEs for the FUSE commands.
@@ -123,7 +139,7 @@ impl QueueThread {
         // Declared after `ents`, so dropped before them on every return: closing the ring
         // cancels the kernel's hold on the buffers before they are freed.
         let ring_entries = match &self.async_mode {
-            Some(_) => super::async_queue::ring_entries(self.entries),
+            Some(a) => a.ring_entries(self.entries),
             None => (self.entries * 2).next_power_of_two() as u32,
         };
         let mut ring = match build_ring(ring_entries) {
@@ -173,7 +189,7 @@ impl QueueThread {
         }
         let _ = registered.send(first_err.map_or(Ok(()), Err));
         match self.async_mode.take() {
-            Some(parts) => super::async_queue::serve(&self, parts, &mut ring, &mut ents, pending),
+            Some(answer) => answer.serve(&self, &mut ring, &mut ents, pending),
             None => self.serve_sync(&mut ring, &mut ents, pending),
         }
     }
