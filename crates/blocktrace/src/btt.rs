@@ -353,6 +353,16 @@ impl Analysis {
         st.bios.insert(sector, bio);
     }
 
+    /// The bios a request at `sector..end` holds; a request holding none is counted
+    /// as unmatched.
+    fn held_bios(&mut self, st: &DevState, sector: u64, end: u64) -> Vec<u64> {
+        let keys = st.inside(sector, end);
+        if keys.is_empty() {
+            self.unmatched += 1;
+        }
+        keys
+    }
+
     /// D: a request goes to the driver, with the bios it holds.
     fn issued(&mut self, st: &mut DevState, ev: &Event, write: bool, end: u64) {
         let (t, dev) = (ev.time_ns, ev.dev);
@@ -363,11 +373,7 @@ impl Analysis {
             *b.sizes.entry(ev.sectors()).or_default() += 1;
             b.seeks.push(distance);
         });
-        let keys = st.inside(ev.sector, end);
-        if keys.is_empty() {
-            self.unmatched += 1;
-        }
-        for k in keys {
+        for k in self.held_bios(st, ev.sector, end) {
             let Some(b) = st.bios.get_mut(&k) else {
                 continue;
             };
@@ -389,11 +395,7 @@ impl Analysis {
             b.completed += 1;
             b.bytes_completed += bytes;
         });
-        let keys = st.inside(ev.sector, end);
-        if keys.is_empty() {
-            self.unmatched += 1;
-        }
-        for k in keys {
+        for k in self.held_bios(st, ev.sector, end) {
             let Some(b) = st.bios.remove(&k) else {
                 continue;
             };
