@@ -16,11 +16,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             continue;
         }
         let mut blk = vec![0u8; 4096];
-        new.read_exact_at(&mut blk, p.dst * bs)?;
+        new.read_at(&mut blk, p.dst * bs)?;
         let src = bundle::data::context_offset(&plan, p.dst).unwrap_or(0);
         let mut ctx = vec![0u8; 4096.min(old.size().saturating_sub(src)) as usize];
         if !ctx.is_empty() {
-            old.read_exact_at(&mut ctx, src)?;
+            old.read_at(&mut ctx, src)?;
         }
         let mut c = zstd::bulk::Compressor::new(19)?;
         c.context_mut()

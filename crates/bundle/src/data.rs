@@ -119,7 +119,7 @@ impl FrameParams {
         }
         let mut content = vec![0u8; blocks.len() * BS];
         for (b, c) in blocks.iter().zip(content.chunks_mut(BS)) {
-            new.read_exact_at(c, b * BS as u64)?;
+            new.read_at(c, b * BS as u64)?;
         }
         let probe = |n: usize| -> delta::Result<usize> {
             let mut total = 0;
@@ -254,7 +254,7 @@ fn frame_prefix(
     for (a, b) in merged {
         let at = prefix.len();
         prefix.resize(at + (b - a) as usize, 0);
-        old.read_exact_at(&mut prefix[at..], a)?;
+        old.read_at(&mut prefix[at..], a)?;
     }
     Ok(prefix)
 }
@@ -383,13 +383,26 @@ impl Recorder<'_> {
     }
 }
 
+impl vabc_io::ReadAt for Recorder<'_> {
+    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        self.record(buf, offset).map_err(delta::image::fail)
+    }
+}
+
 impl BlockImage for Recorder<'_> {
     fn size(&self) -> u64 {
         self.new.size()
     }
 
-    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> delta::Result<()> {
-        self.new.read_exact_at(buf, offset)?;
+    fn name(&self) -> &Path {
+        self.new.name()
+    }
+}
+
+impl Recorder<'_> {
+    /// Reads NEW for the COW writer, recording each block in the order it asks.
+    fn record(&self, buf: &mut [u8], offset: u64) -> delta::Result<()> {
+        self.new.read_at(buf, offset)?;
         let mut st = self.state.lock().map_err(|_| DeltaError::Verify {
             path: self.out.clone(),
             msg: "a recording thread panicked".into(),
@@ -414,10 +427,6 @@ impl BlockImage for Recorder<'_> {
             }
         }
         Ok(())
-    }
-
-    fn name(&self) -> &Path {
-        self.new.name()
     }
 }
 
@@ -719,12 +728,26 @@ impl<'a, R: Read + Send> Replayer<'a, R> {
     }
 }
 
+impl<R: Read + Send> vabc_io::ReadAt for Replayer<'_, R> {
+    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        self.replay(buf, offset).map_err(delta::image::fail)
+    }
+}
+
 impl<R: Read + Send> BlockImage for Replayer<'_, R> {
     fn size(&self) -> u64 {
         self.size
     }
 
-    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> delta::Result<()> {
+    fn name(&self) -> &Path {
+        &self.name
+    }
+}
+
+impl<R: Read + Send> Replayer<'_, R> {
+    /// Gives the COW writer the blocks it asks for from the data stream, which must
+    /// hold them in that order.
+    fn replay(&self, buf: &mut [u8], offset: u64) -> delta::Result<()> {
         let mut st = self.state.lock().map_err(|_| DeltaError::Verify {
             path: self.name.clone(),
             msg: "a replaying thread panicked".into(),
@@ -748,10 +771,6 @@ impl<R: Read + Send> BlockImage for Replayer<'_, R> {
             st.next += 1;
         }
         Ok(())
-    }
-
-    fn name(&self) -> &Path {
-        &self.name
     }
 }
 

@@ -46,14 +46,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for op in &plan.ops {
         match op.op {
             BlockOp::Replace => {
-                new.read_exact_at(&mut a, op.dst * BLOCK_SIZE as u64)?;
+                new.read_at(&mut a, op.dst * BLOCK_SIZE as u64)?;
                 rep += lz4::block::compress(&a, None, false)
                     .map_or(BLOCK_SIZE, |c| c.len())
                     .min(BLOCK_SIZE);
             }
             BlockOp::Xor { src_offset } => {
-                new.read_exact_at(&mut a, op.dst * BLOCK_SIZE as u64)?;
-                old.read_exact_at(&mut b, src_offset)?;
+                new.read_at(&mut a, op.dst * BLOCK_SIZE as u64)?;
+                old.read_at(&mut b, src_offset)?;
                 for (x, y) in a.iter_mut().zip(&b) {
                     *x ^= y;
                 }

@@ -29,10 +29,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         let (mut eq, mut c) = (0usize, 0usize);
         for &b in &reps[i..j] {
-            new.read_exact_at(&mut nb, b * BLOCK_SIZE as u64)?;
+            new.read_at(&mut nb, b * BLOCK_SIZE as u64)?;
             c += lz4::block::compress(&nb, None, false).map_or(BLOCK_SIZE, |c| c.len());
             if (b + 1) * (BLOCK_SIZE as u64) <= old.size() {
-                old.read_exact_at(&mut ob, b * BLOCK_SIZE as u64)?;
+                old.read_at(&mut ob, b * BLOCK_SIZE as u64)?;
                 eq += nb.iter().zip(&ob).filter(|(x, y)| x == y).count();
             }
         }

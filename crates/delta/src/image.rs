@@ -7,26 +7,58 @@
 use std::path::{Path, PathBuf};
 
 use crate::BLOCK_SIZE;
+use vabc_io::ReadAt;
+
 use crate::error::{DeltaError, Result};
 
-/// A read-only image addressed by byte offset, whose reads fail with a [`DeltaError`]
-/// naming the image and the range (and, for the bundle's streaming replayer, what it
-/// found instead). Any `dyn BlockImage` is also a plain [`vabc_io::ReadAt`] (for
-/// hashing it with `manifest`).
-pub trait BlockImage: Sync {
+/// A read-only image addressed by byte offset: a [`ReadAt`] (reading past `size()` is
+/// an error) with a size and a name. [`BlockImage::read_at`] is the read the planner
+/// and the writer use: its errors are [`DeltaError`]s naming the image and the range,
+/// or the one an implementation failed with ([`fail`]: the bundle's streaming
+/// replayer says what it found instead).
+pub trait BlockImage: ReadAt {
     /// Logical size in bytes (a multiple of 4096 for images the planner
     /// accepts).
     fn size(&self) -> u64;
-    /// Fill `buf` from `offset`. Reading past `size()` is an error.
-    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> Result<()>;
     /// Name used in error messages.
     fn name(&self) -> &Path;
+    /// Fill `buf` from `offset`, with the error a [`DeltaError`].
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        self.read_exact_at(buf, offset)
+            .map_err(|e| read_error(e, self.name(), offset, buf.len()))
+    }
 }
 
-impl vabc_io::ReadAt for dyn BlockImage + '_ {
-    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
-        BlockImage::read_exact_at(self, buf, offset).map_err(std::io::Error::other)
+/// A [`DeltaError`] as the `io::Error` of a [`ReadAt`] read; [`BlockImage::read_at`]
+/// gives it back as it was.
+pub fn fail(e: DeltaError) -> std::io::Error {
+    std::io::Error::other(e)
+}
+
+fn read_error(e: std::io::Error, path: &Path, offset: u64, len: usize) -> DeltaError {
+    if !e.get_ref().is_some_and(|inner| inner.is::<DeltaError>()) {
+        return DeltaError::Read {
+            path: path.to_path_buf(),
+            offset,
+            len,
+            source: e,
+        };
     }
+    match e.into_inner().map(|inner| inner.downcast::<DeltaError>()) {
+        Some(Ok(d)) => *d,
+        // Checked above: the error carries a DeltaError.
+        _ => DeltaError::Verify {
+            path: path.to_path_buf(),
+            msg: format!("a read of {len} bytes at offset {offset} failed"),
+        },
+    }
+}
+
+fn past_end() -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::UnexpectedEof,
+        "read past the end of the image",
+    )
 }
 
 /// An image file or block device.
@@ -88,41 +120,25 @@ impl ImageFile {
     }
 }
 
-impl BlockImage for ImageFile {
-    fn size(&self) -> u64 {
-        self.logical
-    }
-
-    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
-        let err = |source| DeltaError::Read {
-            path: self.path.clone(),
-            offset,
-            len: buf.len(),
-            source,
-        };
+impl ReadAt for ImageFile {
+    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
         let end = offset
             .checked_add(buf.len() as u64)
             .filter(|&e| e <= self.logical)
-            .ok_or_else(|| {
-                err(std::io::Error::new(
-                    std::io::ErrorKind::UnexpectedEof,
-                    "read past the end of the image",
-                ))
-            })?;
+            .ok_or_else(past_end)?;
         let present = end.min(self.physical).saturating_sub(offset) as usize;
         let (head, pad) = buf.split_at_mut(present);
         if !head.is_empty() {
-            vabc_io::ReadAt::read_exact_at(&self.disk, head, offset).map_err(|source| {
-                DeltaError::Read {
-                    path: self.path.clone(),
-                    offset,
-                    len: present,
-                    source,
-                }
-            })?;
+            self.disk.read_exact_at(head, offset)?;
         }
         pad.fill(0);
         Ok(())
+    }
+}
+
+impl BlockImage for ImageFile {
+    fn size(&self) -> u64 {
+        self.logical
     }
 
     fn name(&self) -> &Path {
@@ -150,31 +166,15 @@ impl MemImage {
     }
 }
 
+impl ReadAt for MemImage {
+    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        self.data.read_exact_at(buf, offset).map_err(|_| past_end())
+    }
+}
+
 impl BlockImage for MemImage {
     fn size(&self) -> u64 {
         self.data.len() as u64
-    }
-
-    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
-        let start = usize::try_from(offset).ok();
-        match start
-            .and_then(|s| s.checked_add(buf.len()).map(|e| (s, e)))
-            .filter(|&(_, e)| e <= self.data.len())
-        {
-            Some((s, e)) => {
-                buf.copy_from_slice(&self.data[s..e]);
-                Ok(())
-            }
-            None => Err(DeltaError::Read {
-                path: self.name.clone(),
-                offset,
-                len: buf.len(),
-                source: std::io::Error::new(
-                    std::io::ErrorKind::UnexpectedEof,
-                    "read past the end of the image",
-                ),
-            }),
-        }
     }
 
     fn name(&self) -> &Path {

@@ -218,7 +218,7 @@ impl OldIndex {
                 let start = first * BLOCK_SIZE as u64;
                 let pre = if first == 0 { 0 } else { GEAR_WINDOW };
                 let mut buf = vec![0u8; pre + n * BLOCK_SIZE];
-                old.read_exact_at(&mut buf, start - pre as u64)?;
+                old.read_at(&mut buf, start - pre as u64)?;
                 let mut blocks = Vec::with_capacity(n);
                 for (k, b) in buf[pre..].chunks_exact(BLOCK_SIZE).enumerate() {
                     if !is_zero(b) {

@@ -339,12 +339,11 @@ impl ChunkPlanner<'_> {
         // chunk start see the same window as in a continuous scan.
         let pre = if first == 0 { 0 } else { GEAR_WINDOW };
         let mut newbuf = vec![0u8; pre + n * BLOCK_SIZE];
-        self.new
-            .read_exact_at(&mut newbuf, first * bs - pre as u64)?;
+        self.new.read_at(&mut newbuf, first * bs - pre as u64)?;
         let same_n = n_old.saturating_sub(first).min(n as u64) as usize;
         let mut oldbuf = vec![0u8; same_n * BLOCK_SIZE];
         if same_n > 0 {
-            self.old.read_exact_at(&mut oldbuf, first * bs)?;
+            self.old.read_at(&mut oldbuf, first * bs)?;
         }
         let mut scratch = Scratch {
             region: vec![0u8; BLOCK_SIZE],
@@ -418,7 +417,7 @@ impl ChunkPlanner<'_> {
             && self.index.blocks_with_hash(hash).any(|b| b == p)
         {
             probes += 1;
-            self.old.read_exact_at(buf, p * BLOCK_SIZE as u64)?;
+            self.old.read_at(buf, p * BLOCK_SIZE as u64)?;
             if buf == blk {
                 return Ok(Some(p));
             }
@@ -431,7 +430,7 @@ impl ChunkPlanner<'_> {
                 break;
             }
             probes += 1;
-            self.old.read_exact_at(buf, b * BLOCK_SIZE as u64)?;
+            self.old.read_at(buf, b * BLOCK_SIZE as u64)?;
             if buf == blk {
                 return Ok(Some(b));
             }
@@ -505,7 +504,7 @@ impl ChunkPlanner<'_> {
         let est = self.opts.estimator;
         let mut best: Option<(usize, u64)> = None;
         for &c in &cands {
-            self.old.read_exact_at(&mut s.region, c)?;
+            self.old.read_at(&mut s.region, c)?;
             let equal = blk.iter().zip(&s.region).filter(|(a, b)| a == b).count();
             if equal < MIN_EQUAL_BYTES {
                 continue;

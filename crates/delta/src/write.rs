@@ -273,14 +273,14 @@ pub fn write_cow(
             BlockOp::Zero => w.add_zero_blocks(dst, n)?,
             BlockOp::Replace => {
                 data.resize(run.len() * BLOCK_SIZE, 0);
-                new.read_exact_at(&mut data, dst * bs)?;
+                new.read_at(&mut data, dst * bs)?;
                 w.add_raw_blocks(dst, &data)?;
             }
             BlockOp::Xor { src_offset } => {
                 data.resize(run.len() * BLOCK_SIZE, 0);
                 src.resize(run.len() * BLOCK_SIZE, 0);
-                new.read_exact_at(&mut data, dst * bs)?;
-                old.read_exact_at(&mut src, src_offset)?;
+                new.read_at(&mut data, dst * bs)?;
+                old.read_at(&mut src, src_offset)?;
                 for (d, s) in data.iter_mut().zip(&src) {
                     *d ^= s;
                 }

@@ -436,13 +436,12 @@ pub fn cow_update(
     // apply, merge and serve before they read a base through this COW.
     let cow =
         cow::CowReader::open(output).with_context(|| format!("read back {}", output.display()))?;
-    let new_read: &dyn BlockImage = &new;
     let manifest = manifest::Manifest {
         schema_version: manifest::SCHEMA_VERSION,
         base: image_id(&old, old_path, plan.old_size, manifest::REGION_SIZE)?,
         new: image_id(&new, new_path, plan.new_size, manifest::REGION_SIZE)?,
         cow_ops: cow.ops().len() as u64,
-        merged_op_hashes: Some(crate::trust::op_hashes(&cow, &new_read, new_path)?),
+        merged_op_hashes: Some(crate::trust::op_hashes(&cow, &new, new_path)?),
     };
     let manifest_path = manifest::Manifest::path_for(output);
     crate::output::part_of_output(&manifest_path, || {
@@ -485,11 +484,5 @@ fn image_id(
     size: u64,
     region_size: u64,
 ) -> Result<manifest::ImageId> {
-    let img: &dyn BlockImage = img;
-    Ok(manifest::ImageId::compute_in(
-        &img,
-        path,
-        size,
-        region_size,
-    )?)
+    Ok(manifest::ImageId::compute_in(img, path, size, region_size)?)
 }

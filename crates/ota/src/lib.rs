@@ -32,6 +32,7 @@ pub mod install;
 pub mod output;
 pub mod progress;
 pub mod serving;
+pub mod snapshot;
 pub mod trees;
 pub mod trust;
 

@@ -392,7 +392,7 @@ impl TreeOptions {
     }
 }
 
-/// What [`format`] wrote.
+/// What [`format()`] wrote.
 #[derive(Debug, Clone)]
 pub struct FormatOutcome {
     /// The tree, its root hash and parameters (`uuid` is zero without a superblock).

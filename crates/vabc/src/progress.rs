@@ -172,7 +172,12 @@ impl ota::Observer for Bar {
         };
         match e {
             ota::Event::Start { phase, total } => {
-                *b = Some(Progress::new(total, phase, Unit::Items("blocks")));
+                let unit = match phase {
+                    "apply" => Unit::Bytes,
+                    "merge" => Unit::Items("ops"),
+                    _ => Unit::Items("blocks"),
+                };
+                *b = Some(Progress::new(total, phase, unit));
             }
             ota::Event::Advance(n) => {
                 if let Some(pb) = b.as_ref() {

@@ -73,11 +73,11 @@ pub fn for_each_frame(
         for (a, b) in merged {
             let at = prefix.len();
             prefix.resize(at + (b - a) as usize, 0);
-            old.read_exact_at(&mut prefix[at..], a)?;
+            old.read_at(&mut prefix[at..], a)?;
         }
         let mut content = vec![0u8; chunk.len() * 4096];
         for (i, p) in chunk.iter().enumerate() {
-            new.read_exact_at(&mut content[i * 4096..(i + 1) * 4096], p.dst * bs)?;
+            new.read_at(&mut content[i * 4096..(i + 1) * 4096], p.dst * bs)?;
         }
         if std::env::var("SHOW").is_ok() {
             println!(

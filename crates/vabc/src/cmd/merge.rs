@@ -1,15 +1,10 @@
 //! `vabc merge`: merge a COW into its base image in place, crash-safely.
 
-use std::fs::OpenOptions;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::time::Instant;
 
-use anyhow::{Context, Result};
-use cow::CowReader;
-use merge::{Merge, MergeOptions};
-
-use crate::progress;
+use anyhow::Result;
+use merge::MergeOptions;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -86,94 +81,36 @@ impl From<EngineKind> for merge::Engine {
 }
 
 pub fn run(a: Args) -> Result<ExitCode> {
-    let cow =
-        CowReader::open(&a.cow).with_context(|| format!("cannot read COW {}", a.cow.display()))?;
-    let open_rw = |p: &PathBuf| {
-        OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(p)
-            .with_context(|| format!("cannot open {} for writing", p.display()))
-    };
-    let base = open_rw(&a.base)?;
-    let cow_file = open_rw(&a.cow)?;
-    let base_size = cow::view::file_size(&base, &a.base)?;
-    // Nothing is written before the base is known to be the right one and, for a merge
-    // not yet started, every op is known to decode to the new image (the way Android
-    // reads every block of the snapshot through dm-verity before it allows a merge).
-    let progress = merge::progress::read(&cow)?;
-    let manifest = crate::checks::load_manifest(&a.check, &a.cow, &cow)?;
-    if manifest.is_none() && !a.check.no_base_check && !a.without_manifest {
-        anyhow::bail!(
-            "{}: no manifest ({} is missing), so nothing says which base this COW was made \
-             for, and a merge overwrites {} in place: make one with `vabc manifest OLD NEW \
-             --cow {}` (or name it with --manifest); --without-manifest merges without it, \
-             overwriting a wrong base; nothing was written",
-            a.cow.display(),
-            manifest::Manifest::path_for(&a.cow).display(),
-            a.base.display(),
-            a.cow.display()
-        );
-    }
-    let t_check = Instant::now();
-    // Every op still to merge decodes before the first write, whatever else is
-    // checked: a payload that does not decode stops the merge with the base intact,
-    // not one window in.
-    ota::trust::decode_every_op(&cow)?;
-    if let Some(m) = &manifest {
-        ota::trust::check_base(m, progress, &cow, &base, &a.base)?;
-    }
-    if !progress.started() && !a.check.no_base_check {
-        ota::trust::prove_result(manifest.as_ref(), &cow, &base, &a.base, None)?;
-    }
-    let check_seconds = t_check.elapsed().as_secs_f64();
-    let opts = MergeOptions {
-        window_ops: a.window_ops,
-        max_commits: a.max_commits,
-        direct_windows: !a.always_scratch,
-        early_blocks: if a.no_early_writes {
-            0
-        } else {
-            MergeOptions::default().early_blocks
+    let req = ota::snapshot::MergeRequest {
+        base: a.base.clone(),
+        cow: a.cow.clone(),
+        manifest: ota::snapshot::ManifestChoice {
+            path: a.check.manifest.clone(),
+            skip: a.check.no_base_check,
         },
-        ..Default::default()
+        without_manifest: a.without_manifest,
+        options: MergeOptions {
+            window_ops: a.window_ops,
+            max_commits: a.max_commits,
+            direct_windows: !a.always_scratch,
+            early_blocks: if a.no_early_writes {
+                0
+            } else {
+                MergeOptions::default().early_blocks
+            },
+            ..Default::default()
+        },
+        engine: a.engine.into(),
+        queue_depth: a.queue_depth,
+        buffered: a.buffered,
     };
-    // Validates the merge order and sizes before anything is written.
-    let m = Merge::new(&cow, base_size, a.base.clone(), opts)?;
-    let (mut io, engine) =
-        merge::io::open(a.engine.into(), base, cow_file, a.queue_depth, a.buffered)?;
-    let bar = progress::Progress::new(m.total_ops(), "merge", progress::Unit::Items("ops"));
-    let t = Instant::now();
-    let report = m.run(io.as_mut(), &|done, _| bar.set_position(done))?;
-    let secs = t.elapsed().as_secs_f64();
-    bar.finish();
-    // A resumed merge trusted the COW's record of what was already merged; check the
-    // result it claims. Only the regions ops write: the others were checked against
-    // the manifest before the merge, and nothing wrote to them since.
-    if report.complete()
-        && report.merged > report.started_at
-        && let Some(m) = &manifest
-    {
-        let base = std::fs::File::open(&a.base)
-            .with_context(|| format!("cannot open {}", a.base.display()))?;
-        let written = ota::trust::written_region_mask(&cow, m.new.region_size)?;
-        let found = m.new.first_mismatch(&base, &a.base, base_size, |r| {
-            written.get(r).copied().unwrap_or(false)
-        })?;
-        if let Some(mismatch) = found {
-            crate::checks::mismatch!(
-                "{}: the merge is complete but the base is not the new image: {mismatch}; \
-                 the merge progress recorded in {} did not match the base",
-                a.base.display(),
-                a.cow.display()
-            );
-        }
-    }
+    let done = ota::snapshot::merge(&req, &crate::progress::Bar::new())?;
+    let (report, secs) = (&done.report, done.seconds);
     if a.json {
         crate::report::print(MergeReport {
             base: &a.base,
             cow: &a.cow,
-            engine,
+            engine: done.engine,
             total_ops: report.total_ops,
             started_at: report.started_at,
             merged: report.merged,
@@ -184,9 +121,9 @@ pub fn run(a: Args) -> Result<ExitCode> {
             early_blocks: report.early_blocks,
             commits: report.commits,
             seconds: secs,
-            check_seconds,
-            base_checked: manifest.is_some(),
-            result_proven: !progress.started() && !a.check.no_base_check,
+            check_seconds: done.check_seconds,
+            base_checked: done.base_checked,
+            result_proven: done.result_proven,
             syscalls: report.io.syscalls,
             reads: report.io.reads,
             writes: report.io.writes,
