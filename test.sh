@@ -22,35 +22,54 @@ for dir in "${CARGO_TARGET_DIR:-target}" "${TMPDIR:-/tmp}"; do
 		exit 1
 	fi
 done
-scripts/install-deps.sh
-cargo fmt --all -- --check
-cargo clippy --workspace --all-targets --locked -- -D warnings
-cargo test --workspace --locked
+# Each step's time, said at the end (a failure's too): the suite must stay well
+# inside CI's time, and a step that grew shows here first.
+TIMES=() T0=$SECONDS
+step() { # NAME COMMAND [ARG...]
+	local name=$1 t=$SECONDS rc=0
+	shift
+	"$@" || rc=$?
+	local note=
+	((rc == 0)) || note=" (exit $rc)"
+	TIMES+=("$(printf '%5d s  %s%s' $((SECONDS - t)) "$name" "$note")")
+	return $rc
+}
+times_said() {
+	local rc=$?
+	echo "test.sh: time by step (exit $rc):"
+	printf '    %s\n' "${TIMES[@]}"
+	printf '    %5d s  in all\n' $((SECONDS - T0))
+}
+trap times_said EXIT
+step "install the dependencies" scripts/install-deps.sh
+step "cargo fmt" cargo fmt --all -- --check
+step "cargo clippy" cargo clippy --workspace --all-targets --locked -- -D warnings
+step "cargo test (build and run)" cargo test --workspace --locked
 # The application library as a publisher gets it: its documentation without a
 # warning, and every library crate packaged (cargo package's metadata checks).
-RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --locked -p vabc-ota -p vabc-io
-cargo package --workspace --exclude vabc --no-verify --locked
+RUSTDOCFLAGS="-D warnings" step "cargo doc" cargo doc --no-deps --locked -p vabc-ota -p vabc-io
+step "cargo package" cargo package --workspace --exclude vabc --no-verify --locked
 # The README's first command, with the binary just tested (its release build is the
 # one step left out; the static build below covers a second build profile).
 DEMO_DIR=$(mktemp -d "${TMPDIR:-/tmp}/vabc-demo.XXXXXX")
-VABC=${CARGO_TARGET_DIR:-target}/debug/vabc DEMO_DIR=$DEMO_DIR ./demo.sh >"$DEMO_DIR.log" 2>&1 ||
+VABC=${CARGO_TARGET_DIR:-target}/debug/vabc DEMO_DIR=$DEMO_DIR step "./demo.sh" ./demo.sh >"$DEMO_DIR.log" 2>&1 ||
 	{ tail -30 "$DEMO_DIR.log"; echo "test.sh: ./demo.sh failed (log: $DEMO_DIR.log)"; exit 1; }
 rm -rf "$DEMO_DIR" "$DEMO_DIR.log"
 # The library as an OTA client embeds it: the example agent downloads a bundle over
 # HTTP and installs it into an update store, reporting progress through a callback.
-scripts/test-embedding.sh "${CARGO_TARGET_DIR:-target}/debug/vabc"
+step "the embedding example" scripts/test-embedding.sh "${CARGO_TARGET_DIR:-target}/debug/vabc"
 # The packages as shipped: the .deb of the binary the tests just ran (stripped, with
 # its unit and initramfs step) and the static build, installed and run in a fresh
 # Debian chroot (systemd-analyze verify on every unit).
-scripts/package.sh deb --binary "${CARGO_TARGET_DIR:-target}/debug/vabc"
-scripts/package.sh musl
-scripts/test-package.sh --musl "${CARGO_TARGET_DIR:-target}/x86_64-unknown-linux-musl/release/vabc"
+step "the .deb" scripts/package.sh deb --binary "${CARGO_TARGET_DIR:-target}/debug/vabc"
+step "the static build" scripts/package.sh musl
+step "the packages in a chroot" scripts/test-package.sh --musl "${CARGO_TARGET_DIR:-target}/x86_64-unknown-linux-musl/release/vabc"
 if [ "${VABC_SKIP_VM:-0}" = 1 ]; then
 	echo "test.sh: VABC_SKIP_VM=1: the VM tier (tests/vm/conformance.sh, tests/vm/device.sh) was NOT run"
 	exit 0
 fi
 # The binary `cargo test` just built (CARGO_TARGET_DIR respected).
-VABC=${CARGO_TARGET_DIR:-target}/debug/vabc tests/vm/conformance.sh
+VABC=${CARGO_TARGET_DIR:-target}/debug/vabc step "VM: conformance" tests/vm/conformance.sh
 # The packaged unit under a real systemd (the .deb and chroot made above).
-tests/vm/unit.sh
-VABC=${CARGO_TARGET_DIR:-target}/debug/vabc tests/vm/device.sh
+step "VM: the unit" tests/vm/unit.sh
+VABC=${CARGO_TARGET_DIR:-target}/debug/vabc step "VM: the device scenario" tests/vm/device.sh

@@ -8,7 +8,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VABC=${1:-${CARGO_TARGET_DIR:-target}/debug/vabc}
-cargo build --locked --example agent -p vabc-ota
+# As `cargo test --workspace` built it (the same profile and features: a no-op after the
+# suite's build, where the dev profile or `-p vabc-ota` would compile crates again).
+cargo build --locked --profile test --workspace --examples
 AGENT=${CARGO_TARGET_DIR:-target}/debug/examples/agent
 W=$(mktemp -d "${TMPDIR:-/tmp}/vabc-embed.XXXXXX")
 SERVER=

@@ -18,11 +18,11 @@
 #      random moments of the merge until N cuts landed mid-merge (more when the
 #      install had fewer than N, so that 10 land in all): each next boot
 #      must run the new system again and resume the merge; after the first such
-#      cut, three boots that must mount no root and write nothing: without the
-#      ublk driver, with the data disk unreadable (device-mapper's error target),
-#      and with the COW altered on the data disk;
+#      cut, one boot runs three boot steps that must mount no root and write
+#      nothing: without the ublk driver, with the data disk unreadable
+#      (device-mapper's error target), and with the COW altered on the data disk;
 #   3. the boot after the merge mounts the base itself, which is the new image, and
-#      the COW store is cleaned; the system installs a bad update (version 3, whose
+#      cleans the COW store; that system installs a bad update (version 3, whose
 #      health check fails);
 #   4. the bad update boots twice, fails its health check each time (the second
 #      time a COW block altered on the data disk must fail to read: dm-verity), and
@@ -31,10 +31,12 @@
 # It prints each boot's facts, the power-cut moments and the recovered states.
 # Disks are attached with cache=directsync (every write the guest makes reaches the
 # image file before it completes): a kill of the emulator loses exactly what the guest
-# had not written out of its page cache, and nothing it was told was written. The
-# disks' writes are throttled to 1 MB/s, a slow eMMC, so that an install and a merge
-# last long enough to be cut more than once. Torn and unflushed writes of a real disk are
-# the simulated-disk crash tests' job (crates/merge).
+# had not written out of its page cache, and nothing it was told was written. In a
+# boot to be cut, the disks' writes are throttled to 1 MB/s, a slow eMMC, so that an
+# install and a merge last long enough to be cut more than once. Torn and unflushed
+# writes of a real disk are the simulated-disk crash tests' job (crates/merge).
+# Boots cost 10-70 s each under software emulation, so none is spent on what another
+# boot shows: a cut is planned only while the cuts that will land fall short.
 # Env: VABC (default target/debug/vabc), TMPDIR.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -125,6 +127,9 @@ DATA=$WORK/data.img
 mkfs.ext4 -q -F -b 4096 -L data -E root_owner=0:0 -d "$D" "$DATA" 160M
 SYS=$WORK/system.img
 cp "$WORK/v1.img" "$SYS"
+# The guest's binary, stripped as a device's is (a third of the size to copy at boot).
+mkdir "$WORK/bin"
+strip -o "$WORK/bin/vabc" "$VABC"
 say "images: version 1 $V1, version 2 $V2; bundles $(stat -c %s "$D/bundles/good.vabc") and $(stat -c %s "$D/bundles/bad.vabc") bytes"
 
 # --- One boot: ACTION for the system; with MARKER and MAX_MS, the power is cut at a
@@ -153,9 +158,12 @@ boot_once() {
 	# One vCPU: the scenario is sequential, and a single emulated CPU cannot race
 	# the kernel's live code patching (the cause of those panics under multi-threaded
 	# emulation).
-	"$HERE/run.sh" --smp 1 --timeout 600 --disk "$SYS,cache=directsync,throttling.bps-write=$((1 << 20))" \
-		--disk "$DATA,cache=directsync,throttling.bps-write=$((1 << 20))" --share "$(dirname "$VABC")" --share "$WORK/keys" -- \
-		bash "$HERE/guest-device.sh" "$VABC" "$action" >"$LOG" 2>&1 &
+	# A boot to be cut writes at a slow eMMC's pace; one that runs its course need not.
+	local opts=cache=directsync
+	[ -z "$marker" ] || opts=$opts,throttling.bps-write=$((1 << 20))
+	"$HERE/run.sh" --smp 1 --timeout 600 --disk "$SYS,$opts" --disk "$DATA,$opts" \
+		--share "$WORK/bin" --share "$WORK/keys" -- \
+		bash "$HERE/guest-device.sh" "$WORK/bin/vabc" "$action" >"$LOG" 2>&1 &
 	local pid=$!
 	if [ -n "$marker" ]; then
 		while kill -0 $pid 2>/dev/null && ! grep -sEq "scenario: ($marker)" "$LOG"; do sleep 0.05; done
@@ -176,11 +184,16 @@ report_boot() {
 	STATE=$(sed -n 's/^scenario: initramfs: state \([a-z-]*\).*/\1/p' "$LOG" | head -1)
 	ROOTDEV=$(echo "$BOOTED" | sed -n 's/.*booted: root \([^ ]*\) .*/\1/p')
 	echo "boot $N ($action${CUT:+, power cut ${CUT} ms after \"$MARK\"}): found state ${STATE:-?}; root ${ROOTDEV:-?}, version ${VERSION:-?}"
-	grep -E 'scenario: (install-done|merged|merge-start|read during|health-failed|corrupt-block|end:|initramfs)|vabc update boot:|vabc-boot:' "$LOG" | sed 's/^/    /' || true
+	grep -E 'scenario: (install-done|merged|merge-start|read during|health-failed|corrupt-block|end:|initramfs|step|noublk|nostore|swapcow)|vabc update boot:|vabc-boot:' "$LOG" | sed 's/^/    /' || true
 	if [ -z "$BOOTED" ] && [ -z "$CUT" ] && ! grep -q 'scenario: initramfs: halted' "$LOG"; then
 		fail "boot $N did not reach its system:"
 		tail -30 "$LOG" >&2
 	fi
+}
+# One halting boot step's lines of the boot's log (from its "step NAME" line to the
+# next).
+step() { # NAME
+	awk -v s="scenario: step $1" '$0 == s { on = 1; next } /^scenario: step / { on = 0 } on' "$LOG"
 }
 # Checks a boot that reached its system (one cut before that has nothing to check:
 # the boot after it tells what the cut left).
@@ -199,11 +212,17 @@ record_cut() { # WHAT PREV_CUT PREV_MARK
 	CUTS+=("$1 cut ${2} ms after \"$3\": the next boot found state $STATE and ran ${ROOTDEV:-(cut again before its system came up)}${VERSION:+ (version $VERSION)}")
 }
 
+# Whether the cuts that landed, with the last boot's (told by the next boot), fall
+# short of N, with tries left.
+short_of() { # N
+	((landed + (${#prev} > 0) < $1 && tries < $1 * 3))
+}
+
 # --- 1. Install, cut at random moments: until the install is done, every boot runs
 # the old system, and the install resumes.
 landed=0 tries=0 prev= prev_mark=
 while :; do
-	if ((landed < INSTALL_CUTS && tries < INSTALL_CUTS * 3)); then
+	if short_of "$INSTALL_CUTS"; then
 		tries=$((tries + 1))
 		# The cut lands after the state file says installing (the guest's marker), so
 		# it always leaves a begun install; a window short against the install's
@@ -223,7 +242,9 @@ while :; do
 	case $STATE in none | installing) ;; *) fail "boot $N: state $STATE while installing" ;; esac
 	prev=$CUT prev_mark=$MARK
 	if [ -z "$CUT" ]; then
-		grep -q 'scenario: install-done rc=0 state installed' "$LOG" || { fail "boot $N: the install did not finish"; break; }
+		# Installed: the next boot, the merge's first, is the update's first boot.
+		grep -q 'scenario: install-done rc=0 state installed' "$LOG" || fail "boot $N: the install did not finish"
+		break
 	fi
 	((N < 40)) || { fail "no end to the install"; break; }
 done
@@ -237,36 +258,31 @@ MERGE_CUTS=$((MERGE_CUTS > 10 - INSTALL_LANDED ? MERGE_CUTS : 10 - INSTALL_LANDE
 landed=0 tries=0 prev= prev_mark=
 while :; do
 	if [ -n "$prev" ] && [ -z "${HALTED:-}" ]; then
-		# After a cut mid-merge, one boot without the ublk driver: the update cannot be
-		# served, so no root is mounted at all (the half-merged base least of all) and
-		# nothing is written.
+		# After a cut mid-merge, one boot runs three boot steps that must mount no root
+		# (the half-merged base least of all) and write nothing.
 		before=$(sha "$SYS")
-		boot noublk
+		boot halts
 		if [ "$STATE" = merging ]; then
-			grep -q 'scenario: initramfs: halted: no root (exit 4' "$LOG" ||
-				fail "boot $N: merging without ublk did not halt"
-			[ -z "$BOOTED" ] || fail "boot $N: merging without ublk mounted $ROOTDEV"
-			[ "$(sha "$SYS")" = "$before" ] || fail "boot $N: the base changed in a boot that halted"
 			HALTED=1
-			# The data disk unreadable: the state is unknown, so no root is mounted.
-			boot nostore
-			grep -q 'scenario: nostore: the store.s partition is /dev/mapper/vabc-nostore' "$LOG" &&
-				grep -q 'scenario: initramfs: halted: no root (exit 4' "$LOG" &&
-				grep -q "vabc-boot: cannot mount the store's partition" "$LOG" ||
+			# Without the ublk driver: the update cannot be served.
+			step noublk | grep -q 'scenario: noublk: halted: no root (exit 4' ||
+				fail "boot $N: merging without ublk did not halt"
+			# The data disk unreadable: the state is unknown.
+			step nostore | grep -q 'scenario: nostore: halted: no root (exit 4' &&
+				step nostore | grep -q "vabc-boot: cannot mount the store's partition /dev/mapper/vabc-nostore" ||
 				fail "boot $N: an unreadable store partition did not halt the boot"
-			[ -z "$BOOTED" ] || fail "boot $N: with the store unreadable, $ROOTDEV was mounted"
-			[ "$(sha "$SYS")" = "$before" ] || fail "boot $N: the base changed in a boot that halted"
-			# The COW altered on the data disk after mark-good: not merged, nothing written.
-			boot swapcow
-			grep -q 'scenario: initramfs: halted: no root (exit 4' "$LOG" &&
-				grep -q 'altered after it was installed' "$LOG" &&
+			# The COW altered on the data disk after mark-good: not merged.
+			step swapcow | grep -q 'scenario: swapcow: halted: no root (exit 4' &&
+				step swapcow | grep -q 'altered after it was installed' &&
 				grep -q 'scenario: swapcow: the COW put back' "$LOG" ||
 				fail "boot $N: a COW altered after mark-good was not refused"
-			[ -z "$BOOTED" ] || fail "boot $N: a COW altered after mark-good was booted ($ROOTDEV)"
-			[ "$(sha "$SYS")" = "$before" ] || fail "boot $N: the base changed though the COW was refused"
+			[ -z "$BOOTED" ] || fail "boot $N: a boot step that should have halted mounted $ROOTDEV"
+			grep -q 'scenario: initramfs: halted (noublk, nostore, swapcow)' "$LOG" ||
+				fail "boot $N: the halting boot steps did not all run"
+			[ "$(sha "$SYS")" = "$before" ] || fail "boot $N: the base changed in boot steps that halted"
 		fi
 	fi
-	if ((landed < MERGE_CUTS && tries < MERGE_CUTS * 3)); then
+	if short_of "$MERGE_CUTS"; then
 		tries=$((tries + 1))
 		if ((tries == 1)); then
 			# The boot that marks the update good reads its root whole while the merge
@@ -290,15 +306,17 @@ while :; do
 	[ -n "$prev" ] && [ "$STATE" = merging ] && landed=$((landed + 1))
 	expect "new system" 2 "$V2"
 	[ -z "$BOOTED" ] || [ "$ROOTDEV" = /dev/mapper/vabc-system ] || fail "boot $N: root $ROOTDEV is not the served, verified update"
-	prev=$CUT prev_mark=$MARK
-	if [ -z "$CUT" ]; then
-		grep -q "scenario: end: state merged" "$LOG" || { fail "boot $N: the merge did not finish"; break; }
-	fi
 	if grep -q 'scenario: read during the merge' "$LOG"; then
 		grep -q "scenario: read during the merge: root-sha256 $V2 " "$LOG" ||
 			fail "boot $N: the root read during the merge is not the new image"
 		grep -q "scenario: read during the merge: .*(state merging when it ended)" "$LOG" &&
 			READ_DURING=1
+	fi
+	prev=$CUT prev_mark=$MARK
+	if [ -z "$CUT" ]; then
+		# Merged: the next boot (the bad update's install) mounts the base.
+		grep -q "scenario: end: state merged" "$LOG" || fail "boot $N: the merge did not finish"
+		break
 	fi
 	((N < 80)) || { fail "no end to the merge"; break; }
 done

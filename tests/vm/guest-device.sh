@@ -9,13 +9,14 @@ set -uo pipefail
 VABC_SRC=$1 ACTION=$2
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
-# ACTION noublk: a boot without the ublk driver (the update cannot be served).
-for m in ublk_drv dm_verity loop ext4 erofs; do
-	[ "$ACTION" = noublk ] && [ $m = ublk_drv ] && continue
-	modprobe -d "$VM_KMOD" "$m" || echo "scenario: cannot load $m"
-done
-# The binary and the system's script go where the switch of root carries them (/run):
-# the shares they come from stay behind.
+# The kernel's modules, in one modprobe (each call reads the module index: a second
+# under emulation); ACTION halts loads ublk later.
+mods="dm_verity loop ext4 erofs"
+[ "$ACTION" = halts ] || mods="ublk_drv $mods"
+# shellcheck disable=SC2086
+modprobe -a -d "$VM_KMOD" $mods || echo "scenario: cannot load all of $mods"
+# The binary (stripped by the host, as a device's is) and the system's script go where
+# the switch of root carries them (/run): the shares they come from stay behind.
 mkdir -p /run/bin
 cp "$VABC_SRC" /run/bin/vabc
 cp "$HERE/guest-device-stage2.sh" /run/bin/stage2.sh
@@ -23,44 +24,70 @@ export VABC=/run/bin/vabc
 # The device's keyring, as an initramfs carries it (never the data disk's).
 mkdir -p /run/vabc-keys
 cp "$VABC_DEVICE_KEYS"/*.pem /run/vabc-keys/
+# One field of the store's status (its JSON is one key per line; Python's start-up
+# costs seconds under emulation, on every poll).
+status_field() { # FIELD STORE
+	/run/bin/vabc update status --store "$2" --json | sed -n "s/^ *\"$1\": \"*\([^\",]*\)\"*,*\$/\1/p" | head -1
+}
 # The state the boot finds (what a power cut left), before the hook acts on it.
 mkdir -p /tmp/data
 if mount -o ro /dev/vdb /tmp/data 2>/dev/null; then
-	echo "scenario: initramfs: state $(/run/bin/vabc update status --store /tmp/data/vabc --json |
-		python3 -c 'import json,sys; print(json.load(sys.stdin)["state"])')"
+	echo "scenario: initramfs: state $(status_field state /tmp/data/vabc)"
 	umount /tmp/data
 fi
-# ACTION swapcow: the COW is altered on the data disk after mark-good (3 MiB in,
-# past its header and scratch area), as someone who can write that disk would; the
-# original is put back after this boot's hook has run.
-if [ "$ACTION" = swapcow ] && mount /dev/vdb /tmp/data; then
-	cp /tmp/data/vabc/system.cow /tmp/data/saved.cow
-	printf 'swapped by the scenario' | dd of=/tmp/data/vabc/system.cow bs=1 seek=$((3 << 20)) conv=notrunc status=none
+# The project's initramfs hook, as /init runs it: sets root (the device it names) and
+# rc.
+boot_step() { # STORE_DEV
+	root=$(sh "$ROOT/packaging/initramfs/vabc-boot.sh" "$1" /data vabc system=/dev/vda --frontend ublk \
+		--keyring /run/vabc-keys)
+	rc=$?
+}
+# ACTION halts (the merge under way): three boot steps that must each mount no root and
+# write nothing, each from what a fresh boot finds (the store unmounted, no daemon's
+# report), run in one boot because each costs a boot's time under emulation. A step
+# that names a root ends the boot: what it started is no fresh boot's state.
+halting_step() { # NAME STORE_DEV
+	echo "scenario: step $1"
+	boot_step "$2"
+	if [ $rc -eq 0 ]; then
+		echo "scenario: $1: root device $root (did not halt)"
+		exit 0
+	fi
+	echo "scenario: $1: halted: no root (exit $rc, root '$root')"
+	[ -e /run/vabc/system.log ] && sed "s/^/scenario: $1: daemon: /" /run/vabc/system.log
+	umount /data 2>/dev/null
+	rm -rf /run/vabc
+}
+if [ "$ACTION" = halts ]; then
+	# Without the ublk driver (loaded after this step): the update cannot be served.
+	halting_step noublk /dev/vdb
+	modprobe -d "$VM_KMOD" ublk_drv || echo "scenario: cannot load ublk_drv"
+	# The data disk failing every read (the device-mapper error target in its place):
+	# the update's state cannot be known.
+	dmsetup create vabc-nostore --table "0 $(blockdev --getsz /dev/vdb) error" &&
+		echo "scenario: nostore: the store's partition is /dev/mapper/vabc-nostore"
+	halting_step nostore /dev/mapper/vabc-nostore
+	dmsetup remove vabc-nostore
+	# The COW altered on the data disk after mark-good (3 MiB in, past its header and
+	# scratch area), as someone who can write that disk would; put back afterwards.
+	mount /dev/vdb /tmp/data && cp /tmp/data/vabc/system.cow /tmp/data/saved.cow &&
+		printf 'swapped by the scenario' |
+		dd of=/tmp/data/vabc/system.cow bs=1 seek=$((3 << 20)) conv=notrunc status=none
 	sync
 	umount /tmp/data
-fi
-# ACTION nostore: the data disk fails every read (the device-mapper error target in
-# its place), so the update's state cannot be known.
-STORE_DEV=/dev/vdb
-if [ "$ACTION" = nostore ]; then
-	dmsetup create vabc-nostore --table "0 $(blockdev --getsz /dev/vdb) error" &&
-		STORE_DEV=/dev/mapper/vabc-nostore
-	echo "scenario: nostore: the store's partition is $STORE_DEV"
+	halting_step swapcow /dev/vdb
+	mount /dev/vdb /tmp/data && mv /tmp/data/saved.cow /tmp/data/vabc/system.cow && sync &&
+		umount /tmp/data && echo "scenario: swapcow: the COW put back"
+	# This initramfs powers off, as an unattended device's would reboot or stop in an
+	# emergency shell.
+	echo "scenario: initramfs: halted (noublk, nostore, swapcow)"
+	exit 0
 fi
 t0=$SECONDS
-root=$(sh "$ROOT/packaging/initramfs/vabc-boot.sh" "$STORE_DEV" /data vabc system=/dev/vda --frontend ublk \
-	--keyring /run/vabc-keys)
-rc=$?
+boot_step /dev/vdb
 if [ $rc -ne 0 ]; then
-	# The hook named no root: this initramfs powers off, as an unattended device's
-	# would reboot or stop in an emergency shell.
 	echo "scenario: initramfs: halted: no root (exit $rc, root '$root')"
 	[ -e /run/vabc/system.log ] && sed 's/^/scenario: daemon: /' /run/vabc/system.log
-	if [ "$ACTION" = swapcow ]; then
-		umount /data 2>/dev/null
-		mount /dev/vdb /tmp/data && mv /tmp/data/saved.cow /tmp/data/vabc/system.cow && sync &&
-			umount /tmp/data && echo "scenario: swapcow: the COW put back"
-	fi
 	exit 0
 fi
 echo "scenario: initramfs: root device $root ($((SECONDS - t0)) s)"

@@ -114,12 +114,14 @@ fn round_trip(old: &Path, new: &Path, dir: &Path, extra: &[&str]) -> (Vec<u8>, s
     (std::fs::read(&cow).unwrap(), report)
 }
 
-fn corpus_matrix(pair: &str, format: &str) {
+/// Round trips of a corpus pair in `format`, on each file system with the codecs
+/// `codecs` gives it.
+fn corpus_matrix(pair: &str, format: &str, codecs: impl Fn(usize) -> Vec<&'static str>) {
     let c = corpus();
-    for fs in FILESYSTEMS {
+    for (i, fs) in FILESYSTEMS.iter().enumerate() {
         let old = c.join(pair).join(format!("old.{fs}.img"));
         let new = c.join(pair).join(format!("new.{fs}.img"));
-        for codec in CODECS {
+        for codec in codecs(i) {
             let dir = tempfile::tempdir().unwrap();
             let (_, r) = round_trip(
                 &old,
@@ -135,24 +137,27 @@ fn corpus_matrix(pair: &str, format: &str) {
     }
 }
 
+// Every codec on every file system of the tiny pair; the small pair (four times the
+// size: its plan, not its codec, is what more data tests) with one codec per file
+// system and format, so that each codec still meets it.
 #[test]
 fn corpus_tiny_v2() {
-    corpus_matrix("tiny", "v2");
+    corpus_matrix("tiny", "v2", |_| CODECS.to_vec());
 }
 
 #[test]
 fn corpus_tiny_v3() {
-    corpus_matrix("tiny", "v3");
+    corpus_matrix("tiny", "v3", |_| CODECS.to_vec());
 }
 
 #[test]
 fn corpus_small_v2() {
-    corpus_matrix("small", "v2");
+    corpus_matrix("small", "v2", |i| vec![CODECS[i]]);
 }
 
 #[test]
 fn corpus_small_v3() {
-    corpus_matrix("small", "v3");
+    corpus_matrix("small", "v3", |i| vec![CODECS[(i + 3) % CODECS.len()]]);
 }
 
 #[test]
