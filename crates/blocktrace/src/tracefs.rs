@@ -429,7 +429,7 @@ pub struct Recording {
     /// Events the kernel overwrote or dropped because the buffer was full
     /// (`per_cpu/cpuN/stats`).
     pub overrun: u64,
-    /// Pages read but not kept: past [`MAX_RAW_PER_CPU`] of one CPU's.
+    /// Pages read but not kept: past `MAX_RAW_PER_CPU` of one CPU's.
     pub dropped_pages: u64,
 }
 

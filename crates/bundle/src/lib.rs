@@ -24,7 +24,7 @@
 //! reader checks the signature first and each payload's sha256 as it streams through
 //! it; nothing a payload makes is kept (renamed into place) before its hash matched.
 //!
-//! * [`format`]: the header, the manifest, reading and writing the container;
+//! * [`format`](mod@format): the header, the manifest, reading and writing the container;
 //! * [`sign`]: keys (PEM files as `openssl genpkey -algorithm ed25519` writes them),
 //!   signing and verification, through `ed25519-dalek`;
 //! * [`plan_wire`]: a [`delta::Plan`] as compact bytes;

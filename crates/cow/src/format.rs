@@ -411,7 +411,7 @@ pub struct RecordV2 {
 
 impl RecordV2 {
     /// Decodes the record at the start of `b`; bytes missing past its end are
-    /// taken as zeros (the reader reads records whole, through [`WireOpV2`]).
+    /// taken as zeros (the reader reads records whole, through `WireOpV2`).
     pub fn decode(b: &[u8]) -> RecordV2 {
         let mut w = WireOpV2::new_zeroed();
         let n = b.len().min(size_of::<WireOpV2>());
@@ -458,7 +458,7 @@ pub struct RecordV3 {
 
 impl RecordV3 {
     /// Decodes the record at the start of `b`; bytes missing past its end are
-    /// taken as zeros (the reader reads records whole, through [`WireOpV3`]).
+    /// taken as zeros (the reader reads records whole, through `WireOpV3`).
     pub fn decode(b: &[u8]) -> RecordV3 {
         let mut w = WireOpV3::new_zeroed();
         let n = b.len().min(size_of::<WireOpV3>());

@@ -1,5 +1,5 @@
 //! FUSE export of a block device as one read-only regular file, `DIR/disk.img`: one file
-//! system ([`fs`]) behind two transports.
+//! system (`fs`) behind two transports.
 //!
 //! * **/dev/fuse** (classic): [`FuseOptions::dev_threads`] threads, each on its own clone
 //!   of the connection (`FUSE_DEV_IOC_CLONE`, so the kernel keeps that many requests in

@@ -28,13 +28,13 @@
 //!   included) within [`NbdOptions::handshake_timeout`]; negotiating connections have
 //!   their own slots ([`NbdOptions::max_handshakes`]), and when those are full a new
 //!   connection closes the one negotiating longest, so a flood of idle sockets delays a
-//!   prompt client by no more than its own handshake ([`slots`] says why a timeout alone
+//!   prompt client by no more than its own handshake (`slots` says why a timeout alone
 //!   would not do). At most [`NbdOptions::max_connections`] connections transmit; one over
 //!   TCP with no request in flight for [`NbdOptions::idle_timeout`] is closed.
 //! * **Not reading.** No worker waits on a client's socket for more than a short slice
 //!   (2 ms, and only when no earlier reply of that connection waits): what the socket
 //!   does not take by then waits in that connection's queue for its own writer thread
-//!   ([`outbox`]). The queue is bounded by the connection's budget,
+//!   (`outbox`). The queue is bounded by the connection's budget,
 //!   [`NbdOptions::max_inflight_bytes`] of reads queued, being read or waiting to be
 //!   sent (the connection's reader stops taking requests until replies drain, which
 //!   pushes back on the client through the socket), so a slow client is slowed, not
