@@ -17,8 +17,8 @@ use std::path::Path;
 
 use vabc_io::{ReadAt, WriteAt};
 
-use crate::log::{Log, Op};
 use crate::Result;
+use crate::log::{Log, Op};
 
 /// A part of one logged write or discard that reached the media.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -76,9 +76,7 @@ impl Log {
         CrashState {
             acknowledged,
             durable: acknowledged,
-            pieces: (0..acknowledged)
-                .filter_map(|i| self.whole(i))
-                .collect(),
+            pieces: (0..acknowledged).filter_map(|i| self.whole(i)).collect(),
             dropped: 0,
             torn: 0,
         }
@@ -108,9 +106,9 @@ impl Log {
             dropped: 0,
             torn: 0,
         };
-        for i in durable..acknowledged {
+        for (i, entry) in entries.iter().enumerate().take(acknowledged).skip(durable) {
             let Some(whole) = self.whole(i) else { continue };
-            if entries[i].fua {
+            if entry.fua {
                 state.pieces.push(whole);
                 continue;
             }
@@ -162,7 +160,9 @@ impl Log {
         let mut buf = Vec::new();
         for piece in &state.pieces {
             let entry = &self.entries()[piece.entry];
-            let Some((offset, _)) = entry.extent() else { continue };
+            let Some((offset, _)) = entry.extent() else {
+                continue;
+            };
             let mut done = 0;
             while done < piece.len {
                 let n = (piece.len - done).min(CHUNK);
@@ -171,8 +171,11 @@ impl Log {
                 match entry.op {
                     Op::Write { data_at, .. } => {
                         let from = data_at + piece.skip + done;
-                        log.read_exact_at(&mut buf, from)
-                            .map_err(vabc_io::at("read", self.path(), from))?;
+                        log.read_exact_at(&mut buf, from).map_err(vabc_io::at(
+                            "read",
+                            self.path(),
+                            from,
+                        ))?;
                     }
                     _ => buf.fill(0),
                 }

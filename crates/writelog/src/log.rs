@@ -18,7 +18,7 @@ use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
 use crate::{Error, Result};
 
 /// "jsfwshr" (`WRITE_LOG_MAGIC`).
-pub const MAGIC: u64 = 0x6a73_6677_7368_72;
+pub const MAGIC: u64 = 0x006a_7366_7773_6872;
 /// The only version the kernel writes.
 pub const VERSION: u64 = 1;
 /// The mark the kernel logs when the target is removed.
@@ -122,7 +122,10 @@ impl Log {
         };
         let mut head = [0u8; size_of::<Super>()];
         if len < head.len() as u64 {
-            return Err(bad(0, format!("{len} bytes: too short for a log's super block")));
+            return Err(bad(
+                0,
+                format!("{len} bytes: too short for a log's super block"),
+            ));
         }
         src.read_exact_at(&mut head, 0)
             .map_err(vabc_io::at("read", path, 0))?;
@@ -136,7 +139,10 @@ impl Log {
         if sup.version.get() != VERSION {
             return Err(bad(
                 8,
-                format!("version {}; this reads version {VERSION}", sup.version.get()),
+                format!(
+                    "version {}; this reads version {VERSION}",
+                    sup.version.get()
+                ),
             ));
         }
         let sector = sup.sectorsize.get();
@@ -151,17 +157,17 @@ impl Log {
         // Each entry takes a sector at least: a count the log cannot hold is a lie,
         // not a reason to reserve memory for it.
         if count > len / sector_bytes {
-            return Err(bad(
-                16,
-                format!("{count} entries in a log of {len} bytes"),
-            ));
+            return Err(bad(16, format!("{count} entries in a log of {len} bytes")));
         }
         let mut entries = Vec::with_capacity(count as usize);
         let mut at = sector_bytes;
         let mut sector_buf = vec![0u8; sector as usize];
         for index in 0..count {
             if at.checked_add(sector_bytes).is_none_or(|end| end > len) {
-                return Err(bad(at, format!("entry {index}: past the log's end ({len} bytes)")));
+                return Err(bad(
+                    at,
+                    format!("entry {index}: past the log's end ({len} bytes)"),
+                ));
             }
             src.read_exact_at(&mut sector_buf, at)
                 .map_err(vabc_io::at("read", path, at))?;
@@ -233,9 +239,13 @@ fn decode(h: &EntryHeader, rest: &[u8], at: u64, sector: u64) -> Result<Entry, S
     };
     let offset = bytes(h.sector.get())?;
     let len = bytes(h.nr_sectors.get())?;
-    offset
-        .checked_add(len)
-        .ok_or_else(|| format!("sectors {} + {} overflow", h.sector.get(), h.nr_sectors.get()))?;
+    offset.checked_add(len).ok_or_else(|| {
+        format!(
+            "sectors {} + {} overflow",
+            h.sector.get(),
+            h.nr_sectors.get()
+        )
+    })?;
     let data_len = h.data_len.get();
     let op = if flags & FLAG_MARK != 0 {
         let name = usize::try_from(data_len)

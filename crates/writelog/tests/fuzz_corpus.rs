@@ -17,7 +17,10 @@ fn seeds() -> Vec<(String, Vec<u8>)> {
     far_write[4096..4104].copy_from_slice(&(1u64 << 61).to_le_bytes());
     vec![
         ("sample".into(), good.clone()),
-        ("sectors_4k".into(), Builder::new(4096).write(1, &[9; 8192], 0).flush().build()),
+        (
+            "sectors_4k".into(),
+            Builder::new(4096).write(1, &[9; 8192], 0).flush().build(),
+        ),
         ("bad_magic".into(), bad_magic),
         ("huge_count".into(), huge_count),
         ("truncated".into(), good[..good.len() - 100].to_vec()),
@@ -46,6 +49,10 @@ fn seeds_behave() {
     for (name, data) in seeds() {
         writelog::fuzzing::exercise_log(&data);
         let ok = writelog::Log::read(&data[..], data.len() as u64, "seed".as_ref()).is_ok();
-        assert_eq!(ok, matches!(name.as_str(), "sample" | "sectors_4k"), "{name}");
+        assert_eq!(
+            ok,
+            matches!(name.as_str(), "sample" | "sectors_4k"),
+            "{name}"
+        );
     }
 }

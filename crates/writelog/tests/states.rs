@@ -23,12 +23,32 @@ fn the_sample_log_reads_as_written() {
     assert_eq!(log.sector_size(), 512);
     let e = log.entries();
     assert_eq!(e.len(), 8);
-    assert!(matches!(e[0].op, Op::Write { offset: 0, len: 1024, .. }));
-    assert!(matches!(e[1].op, Op::Write { offset: 4096, len: 512, .. }));
+    assert!(matches!(
+        e[0].op,
+        Op::Write {
+            offset: 0,
+            len: 1024,
+            ..
+        }
+    ));
+    assert!(matches!(
+        e[1].op,
+        Op::Write {
+            offset: 4096,
+            len: 512,
+            ..
+        }
+    ));
     assert_eq!(e[2].op, Op::Flush);
     assert!(e[2].flush && !e[2].fua);
     assert!(e[3].fua && matches!(e[3].op, Op::Write { offset: 1024, .. }));
-    assert_eq!(e[6].op, Op::Discard { offset: 8192, len: 2048 });
+    assert_eq!(
+        e[6].op,
+        Op::Discard {
+            offset: 8192,
+            len: 2048
+        }
+    );
     assert_eq!(e[7].op, Op::Mark(writelog::END_MARK.into()));
     assert_eq!(log.mark(writelog::END_MARK), Some(7));
     assert_eq!(log.device_len(), 8192 + 2048);
@@ -78,25 +98,40 @@ fn bad_logs_are_refused_with_their_offset() {
     let err = |bytes: &[u8]| read(bytes).unwrap_err().to_string();
     let mut b = good.clone();
     b[0] ^= 1;
-    assert!(err(&b).contains("test.log: at offset 0: magic"), "{}", err(&b));
+    assert!(
+        err(&b).contains("test.log: at offset 0: magic"),
+        "{}",
+        err(&b)
+    );
     let mut b = good.clone();
     b[8] = 2;
     assert!(err(&b).contains("at offset 8: version 2"), "{}", err(&b));
     let mut b = good.clone();
     b[24..28].copy_from_slice(&1000u32.to_le_bytes());
-    assert!(err(&b).contains("at offset 24: sector size 1000"), "{}", err(&b));
+    assert!(
+        err(&b).contains("at offset 24: sector size 1000"),
+        "{}",
+        err(&b)
+    );
     // The first write's data cut short.
     let mut b = good[..512 + 512 + 100].to_vec();
     b[16..24].copy_from_slice(&1u64.to_le_bytes());
     let e = err(&b);
-    assert!(e.contains("at offset 1024: entry 0: its 1024 bytes of data pass the log's end"), "{e}");
+    assert!(
+        e.contains("at offset 1024: entry 0: its 1024 bytes of data pass the log's end"),
+        "{e}"
+    );
     let mut b = good.clone();
     b[16..24].copy_from_slice(&u64::MAX.to_le_bytes());
     assert!(err(&b).contains("at offset 16:"), "{}", err(&b));
     // Unknown flags on entry 1 (its header is at 512 + 512 + 1024).
     let mut b = good.clone();
     b[2048 + 16] |= 0x80;
-    assert!(err(&b).contains("at offset 2048: entry 1: unknown flags"), "{}", err(&b));
+    assert!(
+        err(&b).contains("at offset 2048: entry 1: unknown flags"),
+        "{}",
+        err(&b)
+    );
     assert!(err(&[]).contains("too short"));
 }
 
