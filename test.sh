@@ -46,10 +46,8 @@ step "install the dependencies" scripts/install-deps.sh
 step "cargo fmt" cargo fmt --all -- --check
 step "cargo clippy" cargo clippy --workspace --all-targets --locked -- -D warnings
 step "cargo test (build and run)" cargo test --workspace --locked
-# The libraries as a publisher gets them: their documentation without a warning (the
-# whole workspace, which shares clippy's checks of the dependencies: a subset of it
-# resolves other features and checks them all again), and every library crate
-# packaged (cargo package's metadata checks).
+# The libraries as a publisher gets them: every crate's documentation without a
+# warning, and every library crate packaged (cargo package's metadata checks).
 RUSTDOCFLAGS="-D warnings" step "cargo doc" cargo doc --workspace --no-deps --locked
 step "cargo package" cargo package --workspace --exclude vabc --no-verify --locked
 # The README's first command, with the binary just tested (its release build is the

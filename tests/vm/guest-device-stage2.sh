@@ -119,21 +119,36 @@ run | corrupt)
 	if [ "$ACTION" = corrupt ]; then
 		# One REPLACE block of the COW, stored uncompressed (the bad bundle's device COW),
 		# altered where the daemon reads it: it decodes cleanly, so only dm-verity can
-		# tell; the read must fail and never return the altered bytes.
+		# tell: that block's read must fail with EIO, and its neighbours still read.
 		read -r blk off < <("$V" inspect $S/system.cow --ops --json | python3 -c '
 import json, sys
 ops = [o for o in json.load(sys.stdin)["ops"] if o["type"] == "REPLACE"]
 o = ops[len(ops) // 2]
 print(o["new_block"], o["data_offset"])')
-		printf 'corrupted by the scenario' | dd of=$S/system.cow bs=1 seek=$((off + 100)) conv=notrunc status=none
-		sync
-		echo 3 >/proc/sys/vm/drop_caches
-		if dd if="$ROOTDEV" of=/dev/null bs=4096 skip="$blk" count=1 iflag=direct status=none 2>/tmp/dd.err; then
-			say "corrupt-block $blk: READ SUCCEEDED (served altered data)"
+		# Each read of one block with O_DIRECT (dd's error in /tmp/dd.err).
+		readblk() { dd if="$ROOTDEV" of=/dev/null bs=4096 skip="$1" count=1 iflag=direct status=none 2>/tmp/dd.err; }
+		if ! [[ $blk =~ ^[0-9]+$ && $off =~ ^[0-9]+$ ]] || ((blk == 0)); then
+			# An empty offset would alter the COW's header and an empty block read
+			# nothing: neither may pass for dm-verity's refusal.
+			say "corrupt-block: no REPLACE block to alter (block '$blk', offset '$off')"
 			rc=1
 		else
-			say "corrupt-block $blk: read failed: $(tr '\n' ' ' </tmp/dd.err)"
-			say "corrupt-block dmesg: $(dmesg | grep -i verity | tail -1)"
+			printf 'corrupted by the scenario' | dd of=$S/system.cow bs=1 seek=$((off + 100)) conv=notrunc status=none
+			sync
+			echo 3 >/proc/sys/vm/drop_caches
+			if readblk "$blk"; then
+				say "corrupt-block $blk: READ SUCCEEDED (served altered data)"
+				rc=1
+			elif ! grep -q 'Input/output error' /tmp/dd.err; then
+				say "corrupt-block $blk: failed, but not with EIO: $(tr '\n' ' ' </tmp/dd.err)"
+				rc=1
+			elif ! readblk $((blk - 1)) || ! readblk $((blk + 1)); then
+				say "corrupt-block $blk: a neighbour failed too: $(tr '\n' ' ' </tmp/dd.err)"
+				rc=1
+			else
+				say "corrupt-block $blk: read failed with EIO (Input/output error); blocks $((blk - 1)) and $((blk + 1)) read"
+				say "corrupt-block dmesg: $(dmesg | grep -i verity | tail -1)"
+			fi
 		fi
 	fi
 	;;
