@@ -264,9 +264,16 @@ for FS in $FSES; do
 		cp $T/$FS/old.img $T/base.img
 		if serve_up "$FRONT" $T/base.img "$WORK/$FS.cow"; then
 			drop_caches
-			timeout 60 $CHECK never-wrong "$DEV" "$NEW" --seconds 2 &
+			# The kill lands only once the reader has read the image right 20
+			# times, so its reads span the kill (under emulation, Python's start-up
+			# alone can outlast a fixed sleep).
+			rm -f $T/reading
+			timeout 90 $CHECK never-wrong "$DEV" "$NEW" --seconds 2 --ready-file $T/reading --min-good 20 --timeout 60 &
 			READER=$!
-			sleep 1
+			for _ in $(seq 600); do
+				[ -e $T/reading ] || ! kill -0 $READER 2>/dev/null && break
+				sleep 0.1
+			done
 			kill -KILL $SERVE_PID
 			wait $SERVE_PID 2>/dev/null
 			check "reads after SIGKILL: errors, never wrong data; cleanup leaves nothing" after_kill

@@ -8,9 +8,13 @@
   vmcheck.py until DEV IMAGE --stop-file F [--timeout S] [--min-reads N]
       random O_DIRECT reads compared with IMAGE until F exists (e.g. while a merge
       runs); prints how many reads ran, and fails if fewer than N did
-  vmcheck.py never-wrong DEV IMAGE --seconds S
+  vmcheck.py never-wrong DEV IMAGE --seconds S [--ready-file F --min-good N]
       random O_DIRECT reads for S seconds while the daemon may die: an I/O error is
-      acceptable, different bytes are not; prints counts of good reads and errors
+      acceptable, different bytes are not; prints counts of good reads and errors.
+      With --ready-file, F is made once N reads have matched and the S seconds
+      count from then: the caller kills the daemon only after F appears, so the
+      reads provably span the kill (fewer than N good reads, or a device that
+      cannot be opened, fails)
 
 Each exits 1 on the first wrong byte, naming the offset. Reads use one seeded
 generator per process, so a failure can be replayed with the same --seed.
@@ -118,19 +122,30 @@ def cmd_never_wrong(a):
     try:
         r = Reader(a.dev, a.image, True)
     except OSError as e:
+        if a.ready_file:
+            sys.exit(f"never-wrong: {a.dev} cannot be opened ({e.strerror}) before the kill")
         # The driver removed the device once its daemon died: nothing can be read.
         print(f"never-wrong: {a.dev} cannot be opened ({e.strerror}): no reads, none wrong")
         return
     rng = random.Random(a.seed)
     good = errors = 0
-    end = time.monotonic() + a.seconds
+    ready = not a.ready_file
+    end = time.monotonic() + a.seconds if ready else time.monotonic() + a.timeout
     while time.monotonic() < end:
         e = r.check(*r.random_read(rng))
         if e:
             errors += 1
+            if not ready:
+                sys.exit(f"never-wrong: {a.dev}: read failed before the kill: {e}")
             time.sleep(0.05)
         else:
             good += 1
+        if not ready and good >= a.min_good:
+            ready = True
+            open(a.ready_file, "w").close()
+            end = time.monotonic() + a.seconds
+    if not ready:
+        sys.exit(f"never-wrong: only {good} good reads within {a.timeout}s ({a.min_good} wanted before the kill)")
     print(f"never-wrong: {good} reads equal the image, {errors} failed with an error, none wrong")
 
 
@@ -146,6 +161,8 @@ def main():
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--seconds", type=float, default=5)
     p.add_argument("--min-reads", type=int, default=0)
+    p.add_argument("--ready-file")
+    p.add_argument("--min-good", type=int, default=20)
     a = p.parse_args()
     {"direct": cmd_direct, "readers": cmd_readers, "until": cmd_until, "never-wrong": cmd_never_wrong}[a.cmd](a)
 
