@@ -55,20 +55,13 @@ impl Device {
         );
         let base = d.join("base.img");
         std::fs::copy(&old, &base).unwrap();
-        let (key, public) = keypair(d, "k");
-        let bundle = d.join("u.vabc");
-        let p = format!("system={},{}", old.display(), new.display());
-        ok(&[
-            "bundle",
-            "create",
-            "-p",
-            &p,
-            "-o",
-            s(&bundle),
-            "--key",
-            s(&key),
-            "--verity",
-        ]);
+        // Each device gets its own copy of one key and bundle, made once per run
+        // (a bundle takes seconds to make, and no test needs its own).
+        let shared = shared_bundle();
+        let (public, bundle) = (d.join("k.pub.pem"), d.join("u.vabc"));
+        for name in ["k.pem", "k.pub.pem", "u.vabc"] {
+            std::fs::copy(shared.join(name), d.join(name)).unwrap();
+        }
         let store = d.join("store");
         // Every step with --json: run_vabc checks each report against its schema.
         ok(&["update", "init", "--store", s(&store), "--json"]);
@@ -299,6 +292,46 @@ impl Drop for Device {
 }
 
 /// An Ed25519 key pair in `dir`: NAME.pem and NAME.pub.pem.
+/// A folder holding a key pair (`k.pem`, `k.pub.pem`) and the signed --verity
+/// bundle of the tiny ext4 pair it signed (`u.vabc`), made by the first test that
+/// asks, in a folder of this run's own.
+fn shared_bundle() -> &'static Path {
+    static SHARED: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    SHARED.get_or_init(|| {
+        let tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
+        // Folders of earlier runs (their process gone) go.
+        for e in std::fs::read_dir(tmp).into_iter().flatten().flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if let Some(pid) = name.strip_prefix("update_cli-")
+                && !Path::new("/proc").join(pid).exists()
+            {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+        let d = tmp.join(format!("update_cli-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        let (key, _) = keypair(&d, "k");
+        let p = format!(
+            "system={},{}",
+            corpus_image("tiny", "old", "ext4").display(),
+            corpus_image("tiny", "new", "ext4").display()
+        );
+        let out = d.join("u.vabc");
+        ok(&[
+            "bundle",
+            "create",
+            "-p",
+            &p,
+            "-o",
+            s(&out),
+            "--key",
+            s(&key),
+            "--verity",
+        ]);
+        d
+    })
+}
+
 fn keypair(dir: &Path, name: &str) -> (PathBuf, PathBuf) {
     let key = dir.join(format!("{name}.pem"));
     let public = dir.join(format!("{name}.pub.pem"));
