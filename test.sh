@@ -4,7 +4,8 @@
 # packages (.deb and static binary, installed in a fresh chroot), then the VM
 # tier: every frontend on a stock kernel with ublk, NBD and device-mapper, the
 # packaged unit under systemd, then the device scenario (boots from base + COW,
-# power cuts, rollback) (tests/vm/, about 20 minutes under software emulation; the
+# power cuts, rollback) and the crash states of a logged install and merge
+# (tests/vm/, about 22 minutes under software emulation; the
 # whole suite about 47 on a clean 2-core machine; each step's time is said at the end).
 # CI runs exactly this (.ci/run). VABC_SKIP_VM=1 leaves the VM tier out (it
 # then says so).
@@ -53,7 +54,7 @@ step "cargo test (build and run)" cargo test --workspace --locked
 # checked them with, so rustdoc reuses those checks (about 30 s on a clean
 # checkout, against 166 s when it checked every dependency again).
 RUSTDOCFLAGS="-D warnings" step "cargo doc" cargo doc --workspace --no-deps --lib --bins --examples --locked
-step "cargo package" cargo package --workspace --exclude vabc --no-verify --locked
+step "cargo package" cargo package --workspace --exclude vabc --exclude vabc-crashreplay --no-verify --locked
 # The README's first command, with the binary just tested (its release build is the
 # one step left out; the static build below covers a second build profile).
 DEMO_DIR=$(mktemp -d "${TMPDIR:-/tmp}/vabc-demo.XXXXXX")
@@ -78,3 +79,9 @@ VABC=${CARGO_TARGET_DIR:-target}/debug/vabc step "VM: conformance" tests/vm/conf
 # The packaged unit under a real systemd (the .deb and chroot made above).
 step "VM: the unit" tests/vm/unit.sh
 VABC=${CARGO_TARGET_DIR:-target}/debug/vabc step "VM: the device scenario" tests/vm/device.sh
+# Crash consistency write by write: an install and a merge of two partitions logged
+# by dm-log-writes in one boot, then 24 of the disk states a power cut could leave at
+# the flush points and 24 in between, each booted and carried to the end here
+# (the full run: tests/vm/crash.sh --random 1000, bench/results/crash.md).
+VABC=${CARGO_TARGET_DIR:-target}/debug/vabc VABC_CRASHREPLAY=${CARGO_TARGET_DIR:-target}/debug/vabc-crashreplay \
+	step "VM: crash states" tests/vm/crash.sh --points 24 --random 24
