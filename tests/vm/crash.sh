@@ -103,19 +103,24 @@ d = {p["name"]: p["device"] for p in b["partitions"]}
 print(b["state"], d.get("system", "-"), d.get("vendor", "-"))')
 	local s v
 	s=$(sha "$sdev") v=$(sha "$vdev")
-	if [ "$s" = "$V1_SYSTEM" ] && [ "$v" = "$V1_VENDOR" ]; then
-		BOOTED=v1
-	elif [ "$s" = "$V2_SYSTEM" ] && [ "$v" = "$V2_VENDOR" ]; then
-		BOOTED=v2
+	local sv vv
+	sv=$(version_of "$s" SYSTEM) vv=$(version_of "$v" VENDOR)
+	# Both partitions of one version, and one this part of the run may boot.
+	if [ "$sv" = "$vv" ] && [[ " $ALLOWED " == *" v$sv "* ]]; then
+		BOOTED=v$sv
 	else
-		BOOTED="system $(version_of "$s" SYSTEM) and vendor $(version_of "$v" VENDOR)"
-		WHY="booted $BOOTED (state $STATE)"
+		BOOTED="system $sv and vendor $vv"
+		WHY="booted $BOOTED (state $STATE; only both at one of $ALLOWED may boot)"
 		return 1
 	fi
 }
-version_of() { # SHA NAME
-	local one=V1_$2 two=V2_$2
-	case $1 in "${!one}") echo 1 ;; "${!two}") echo 2 ;; *) echo "neither version" ;; esac
+version_of() { # SHA NAME: 1, 2, 3 or "neither version"
+	local n v
+	for n in 1 2 3; do
+		v=V${n}_$2
+		[ "$1" = "${!v}" ] && { echo $n; return; }
+	done
+	echo "neither version"
 }
 # The store's state, read as `vabc update status` reports it (its JSON has one key per
 # line; the top-level "state" is indented by two).
@@ -153,14 +158,33 @@ carry_on() {
 	[ "$(sha "$SYSDEV")" = "$V2_SYSTEM" ] && [ "$(sha "$VENDEV")" = "$V2_VENDOR" ] ||
 		{ WHY="after the merge the bases are not version 2"; return 1; }
 }
-check_state() { # ID
+# The second update, rolled back: what the device does next from what the first boot
+# found is the rollback, run again or finished; it must end in version 2.
+carry_on_rollback() {
+	case $(status_state) in
+	installing | installed)
+		"$VABC" -q update rollback --store "$S/mnt/vabc" >/dev/null 2>"$S/rb.err" ||
+			{ WHY="rollback failed: $(tr '\n' ' ' <"$S/rb.err")"; return 1; }
+		power_off && power_on && boot_step || return 1
+		;;
+	none) ;;
+	*) WHY="state $(status_state) in an update that was never marked good"; return 1 ;;
+	esac
+	[ "$BOOTED" = v2 ] && [ "$(status_state)" = none ] ||
+		{ WHY="after the rollback: booted $BOOTED, state $(status_state)"; return 1; }
+	[ "$(sha "$SYSDEV")" = "$V2_SYSTEM" ] && [ "$(sha "$VENDEV")" = "$V2_VENDOR" ] ||
+		{ WHY="after the rollback the bases are not version 2"; return 1; }
+}
+check_state() { # ID PHASE
 	WHY= BOOTED= STATE= STUCK= FIRST=
 	rm -rf "$S" && mkdir -p "$S/run"
 	"$REPLAY" make "$LOG" --device "$DISK0" --state "$1" -o "$S/disk.img" || { WHY="cannot make the state"; return 1; }
-	local r=0
+	local r=0 next=carry_on
+	ALLOWED="v1 v2"
+	case $2 in rb-* | end | dm-log-writes-end) ALLOWED="v2 v3" next=carry_on_rollback ;; esac
 	power_on && boot_step || r=1
-	FIRST=$BOOTED FOUND=$STATE
-	((r == 0)) && { carry_on || r=1; }
+	FIRST=$BOOTED
+	((r == 0)) && { $next || r=1; }
 	power_off
 	((STUCK)) && { WHY="${WHY:+$WHY; }a daemon did not stop on SIGTERM"; r=1; }
 	return $r
@@ -172,7 +196,7 @@ if [ -n "$WORKER" ]; then
 	S=$WORK/state.$WORKER
 	trap teardown EXIT
 	while IFS=$'\t' read -r id phase; do
-		if check_state "$id" </dev/null; then
+		if check_state "$id" "$phase" </dev/null; then
 			printf '%s\t%s\tok\t%s\t\n' "$id" "$phase" "$FIRST"
 		else
 			printf '%s\t%s\tFAIL\t%s\t%s\n' "$id" "$phase" "$FIRST" "$WHY"
@@ -202,35 +226,38 @@ trap cleanup EXIT
 # --- The update: two partitions of words (compressible, like a system's files),
 # version 2 rewriting a third of each.
 mkdir -p "$WORK/img" "$WORK/keys" "$WORK/data/bundles" "$WORK/bin"
-python3 - "$WORK/img" "$SYS_BYTES" "$VEN_BYTES" <<-'PY'
-	import random, sys
+python3 - "$WORK/img" "$SYS_BYTES" "$VEN_BYTES" "$HERE" <<-'PY'
+	import sys
 	d, sys_len, ven_len = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-	def text(seed, n):
-	    r = random.Random(seed)
-	    words = [bytes(r.choice(b"abcdefghijklmnopqrstuvwxyz") for _ in range(r.randint(2, 9))) for _ in range(4096)]
-	    out = bytearray()
-	    while len(out) < n:
-	        out += r.choice(words) + b" "
-	    return bytes(out[:n])
+	sys.dont_write_bytecode = True  # nothing written into the source tree
+	sys.path.insert(0, sys.argv[4])
+	from words import text
 	for name, n, seed in (("system", sys_len, 1), ("vendor", ven_len, 2)):
 	    v1 = bytearray(text(seed, n))
 	    v2 = bytearray(v1)
 	    v2[n // 3 : 2 * n // 3] = text(seed + 10, 2 * n // 3 - n // 3)
+	    v3 = bytearray(v2)
+	    v3[2 * n // 3 :] = text(seed + 20, n - 2 * n // 3)
 	    open(f"{d}/{name}.v1", "wb").write(v1)
 	    open(f"{d}/{name}.v2", "wb").write(v2)
+	    open(f"{d}/{name}.v3", "wb").write(v3)
 PY
 V1_SYSTEM=$(sha "$WORK/img/system.v1") V2_SYSTEM=$(sha "$WORK/img/system.v2")
 V1_VENDOR=$(sha "$WORK/img/vendor.v1") V2_VENDOR=$(sha "$WORK/img/vendor.v2")
+V3_SYSTEM=$(sha "$WORK/img/system.v3") V3_VENDOR=$(sha "$WORK/img/vendor.v3")
 openssl genpkey -algorithm ed25519 -out "$WORK/key.pem" 2>/dev/null
 openssl pkey -in "$WORK/key.pem" -pubout -out "$WORK/keys/pub.pem"
 BUNDLE=$WORK/data/bundles/u.vabc
 "$VABC" -q bundle create -p "system=$WORK/img/system.v1,$WORK/img/system.v2" \
 	-p "vendor=$WORK/img/vendor.v1,$WORK/img/vendor.v2" -o "$BUNDLE" \
 	--key "$WORK/key.pem" --verity --release-version 2 >/dev/null
+"$VABC" -q bundle create -p "system=$WORK/img/system.v2,$WORK/img/system.v3" \
+	-p "vendor=$WORK/img/vendor.v2,$WORK/img/vendor.v3" -o "$WORK/data/bundles/u3.vabc" \
+	--key "$WORK/key.pem" --verity --release-version 3 >/dev/null
 "$VABC" -q update init --store "$WORK/data/vabc" >/dev/null
 cat >"$WORK/layout.env" <<-EOF
 	SYS_BYTES=$SYS_BYTES VEN_BYTES=$VEN_BYTES DATA_BYTES=$DATA_BYTES
-	V2_SYSTEM=$V2_SYSTEM V2_VENDOR=$V2_VENDOR
+	V2_SYSTEM=$V2_SYSTEM V2_VENDOR=$V2_VENDOR V3_SYSTEM=$V3_SYSTEM V3_VENDOR=$V3_VENDOR
 EOF
 
 # --- The recorded run (or the one --log holds).
@@ -285,7 +312,7 @@ say "$(wc -l <"$WORK/plan") states to check"
 for ((i = 0; i < JOBS; i++)); do
 	awk -v j="$JOBS" -v i=$i 'NR % j == i' "$WORK/plan" >"$WORK/plan.$i"
 done
-export WORK LOG DISK0 V1_SYSTEM V1_VENDOR V2_SYSTEM V2_VENDOR SYS_BYTES VEN_BYTES DATA_BYTES VABC REPLAY
+export WORK LOG DISK0 V1_SYSTEM V1_VENDOR V2_SYSTEM V2_VENDOR V3_SYSTEM V3_VENDOR SYS_BYTES VEN_BYTES DATA_BYTES VABC REPLAY
 mkdir -p /dev/vabc-crash
 t0=$SECONDS pids=()
 for ((i = 0; i < JOBS; i++)); do
@@ -294,14 +321,18 @@ for ((i = 0; i < JOBS; i++)); do
 	pids+=($!)
 done
 for p in "${pids[@]}"; do wait "$p" || say "a worker failed (exit $?)"; done
-declare -A N OK V1 V2
+declare -A N OK V1 V2 V3
 FAILS=0 CHECKED=0
 while IFS=$'\t' read -r id phase result first why; do
 	CHECKED=$((CHECKED + 1))
 	N[$phase]=$((${N[$phase]:-0} + 1))
 	if [ "$result" = ok ]; then
 		OK[$phase]=$((${OK[$phase]:-0} + 1))
-		case $first in v1) V1[$phase]=$((${V1[$phase]:-0} + 1)) ;; v2) V2[$phase]=$((${V2[$phase]:-0} + 1)) ;; esac
+		case $first in
+		v1) V1[$phase]=$((${V1[$phase]:-0} + 1)) ;;
+		v2) V2[$phase]=$((${V2[$phase]:-0} + 1)) ;;
+		v3) V3[$phase]=$((${V3[$phase]:-0} + 1)) ;;
+		esac
 	else
 		FAILS=$((FAILS + 1))
 		say "FAIL: state $id (phase $phase): $why"
@@ -310,15 +341,15 @@ done < <(cat "$WORK"/results.* 2>/dev/null)
 PLANNED=$(wc -l <"$WORK/plan")
 say "checked $CHECKED states in $((SECONDS - t0)) s ($JOBS at a time)"
 ((CHECKED == PLANNED && PLANNED > 0)) || { say "FAIL: $PLANNED states planned, $CHECKED checked"; exit 1; }
-printf '%-18s %7s %7s %9s %9s\n' phase states ok "boots v1" "boots v2"
-order=(- install boot mark-good merge merged cleanup end dm-log-writes-end)
+printf '%-18s %7s %7s %9s %9s %9s\n' phase states ok "boots v1" "boots v2" "boots v3"
+order=(- install boot mark-good merge merged cleanup rb-install rb-boot rb-rollback rb-cleanup end dm-log-writes-end)
 for key in "${order[@]}" "${!N[@]}"; do
 	[ -n "${N[$key]:-}" ] || continue
-	printf '%-18s %7d %7d %9d %9d\n' "$key" "${N[$key]}" "${OK[$key]:-0}" "${V1[$key]:-0}" "${V2[$key]:-0}"
+	printf '%-18s %7d %7d %9d %9d %9d\n' "$key" "${N[$key]}" "${OK[$key]:-0}" "${V1[$key]:-0}" "${V2[$key]:-0}" "${V3[$key]:-0}"
 	unset "N[$key]"
 done
 if ((FAILS)); then
 	say "FAIL: $FAILS states did not recover"
 	exit 1
 fi
-say "PASS: every state booted version 1 or 2 whole, and the update ended in version 2"
+say "PASS: every state booted one version of both partitions (1 or 2; 2 or 3 in the rolled-back update) and ended in version 2"

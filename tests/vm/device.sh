@@ -72,17 +72,12 @@ mkroot() { # DIR VERSION HEALTH
 	echo "$2" >"$1/etc/version"
 	echo "$3" >"$1/etc/health"
 	: >"$1/etc/ld.so.cache"
-	python3 - "$1/opt/payload" "$2" <<-'PY'
-		import random, sys
+	python3 - "$1/opt/payload" "$2" "$HERE" <<-'PY'
+		import sys
 		d, v = sys.argv[1], int(sys.argv[2])
-		def text(seed, n):
-		    # Words, so that the bundle stays small while the merge has blocks to write.
-		    r = random.Random(seed)
-		    words = [bytes(r.choice(b"abcdefghijklmnopqrstuvwxyz") for _ in range(r.randint(2, 9))) for _ in range(4096)]
-		    out = bytearray()
-		    while len(out) < n:
-		        out += r.choice(words) + b" "
-		    return bytes(out[:n])
+		sys.dont_write_bytecode = True  # nothing written into the source tree
+		sys.path.insert(0, sys.argv[3])
+		from words import text
 		# Version 1: two files. Later versions change half of one, replace the other and
 		# add a third: about 20 MiB of changed blocks for the merge to write.
 		a = bytearray(text(1, 16 << 20))

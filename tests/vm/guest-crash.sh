@@ -11,13 +11,18 @@
 #   mark-good the new system marks itself good; the daemons merge
 #   merged    the merge is complete; the daemons are stopped (a shutdown)
 #   cleanup   the boot after the merge runs the base and cleans the store
+# and then a second update that is rolled back:
+#   rb-install   version 2 installs version 3
+#   rb-boot      the next boot serves version 3
+#   rb-rollback  the new system rolls it back (vabc update rollback); a shutdown
+#   rb-cleanup   the next boot runs the base, version 2
 #   end
 # Each phase's start is a mark in the log (dm-log-writes' "mark" message).
 #   guest-crash.sh VABC WORK
 set -uo pipefail
 VABC=$1 WORK=$2
 # shellcheck disable=SC1091
-source "$WORK/layout.env" # SYS_BYTES VEN_BYTES DATA_BYTES V2_SYSTEM V2_VENDOR
+source "$WORK/layout.env" # SYS_BYTES VEN_BYTES DATA_BYTES V2_* V3_*
 say() { echo "crash-guest: $*"; }
 die() {
 	say "FAIL: $*"
@@ -59,13 +64,18 @@ mark boot
 mount /dev/vabc-crash/data /data || die "mount the data partition"
 "$VABC" update boot --store /data/vabc "${B[@]}" "${K[@]}" --frontend ublk --json >/tmp/boot.json ||
 	die "boot: $(cat /tmp/boot.json)"
-for p in system vendor; do
-	dev=$(python3 -c 'import json,sys; print([x["device"] for x in json.load(open(sys.argv[1]))["partitions"] if x["name"] == sys.argv[2]][0])' /tmp/boot.json $p)
-	want=V2_${p^^}
-	got=$(devsha "$dev")
-	[ "$got" = "${!want}" ] || die "$p served from $dev is not version 2 ($got)"
-	say "$p served on $dev: version 2"
-done
+# The devices a boot step's report names serve VERSION (2 or 3) of each partition.
+served() { # REPORT VERSION
+	local p dev want got
+	for p in system vendor; do
+		dev=$(sed -n "/\"name\": \"$p\"/,/}/s/.*\"device\": \"\([^\"]*\)\".*/\1/p" "$1" | head -1)
+		want=V$2_${p^^}
+		got=$(devsha "$dev")
+		[ "$got" = "${!want}" ] || die "$p served from '$dev' is not version $2 ($got)"
+		say "$p served on $dev: version $2"
+	done
+}
+served /tmp/boot.json 2
 
 mark mark-good
 "$VABC" update mark-good --store /data/vabc "${K[@]}" >/dev/null || die "mark-good"
@@ -77,15 +87,20 @@ until [ "$(state)" = merged ]; do
 done
 mark merged
 say "merged in $((SECONDS - t0)) s"
-# The shutdown: dm-verity's mappings closed, then the daemons stopped.
-for p in system vendor; do veritysetup close vabc-$p || die "close vabc-$p"; done
-for r in /run/vabc/*.ready; do
-	pid=$(sed -n 's/.*"pid": *\([0-9]*\).*/\1/p' "$r")
-	kill -TERM "$pid" 2>/dev/null
-	for _ in $(seq 300); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-	kill -0 "$pid" 2>/dev/null && die "daemon $pid did not stop"
-done
-umount /data
+# A shutdown: dm-verity's mappings closed, then the daemons stopped.
+shutdown() {
+	local p r pid
+	for p in system vendor; do veritysetup close vabc-$p || die "close vabc-$p"; done
+	for r in /run/vabc/*.ready; do
+		pid=$(sed -n 's/.*"pid": *\([0-9]*\).*/\1/p' "$r")
+		kill -TERM "$pid" 2>/dev/null
+		for _ in $(seq 300); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+		kill -0 "$pid" 2>/dev/null && die "daemon $pid did not stop"
+		rm -f "$r"
+	done
+	umount /data
+}
+shutdown
 
 mark cleanup
 mount /dev/vabc-crash/data /data || die "mount the data partition"
@@ -96,6 +111,31 @@ for p in system vendor; do
 	want=V2_${p^^}
 	[ "$(devsha /dev/vabc-crash/$p)" = "${!want}" ] || die "$p is not version 2 after the merge"
 done
+umount /data
+
+mark rb-install
+mount /dev/vabc-crash/data /data || die "mount the data partition"
+"$VABC" update install --store /data/vabc /data/bundles/u3.vabc "${B[@]}" "${K[@]}" \
+	--max-boot-attempts 3 || die "install version 3"
+umount /data
+mark rb-boot
+mount /dev/vabc-crash/data /data || die "mount the data partition"
+"$VABC" update boot --store /data/vabc "${B[@]}" "${K[@]}" --frontend ublk --json >/tmp/boot3.json ||
+	die "boot version 3: $(cat /tmp/boot3.json)"
+served /tmp/boot3.json 3
+mark rb-rollback
+"$VABC" update rollback --store /data/vabc >/dev/null || die "rollback"
+say "rolled back: state $(state)"
+shutdown
+mark rb-cleanup
+mount /dev/vabc-crash/data /data || die "mount the data partition"
+"$VABC" update boot --store /data/vabc "${B[@]}" "${K[@]}" --frontend ublk --json >/tmp/boot4.json ||
+	die "the boot after the rollback: $(cat /tmp/boot4.json)"
+for p in system vendor; do
+	want=V2_${p^^}
+	[ "$(devsha /dev/vabc-crash/$p)" = "${!want}" ] || die "$p is not version 2 after the rollback"
+done
+say "after the rollback: state $(state); store: $(ls /data/vabc | tr '\n' ' ')"
 umount /data
 mark end
 dmsetup remove lw-data lw-vendor lw-system && dmsetup remove lw || die "remove the log"

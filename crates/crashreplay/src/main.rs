@@ -3,16 +3,18 @@
 //! check (tests/vm/crash.sh) can boot and resume from each.
 //!
 //! - `info LOG`: the log's entries, flushes, FUA writes and marks.
-//! - `plan LOG [--points N|all] [--random N] [--seed S]`: the states to check, one
-//!   JSON object per line: every point where all acknowledged writes were durable
-//!   (after each flush and FUA write; or N of them, evenly spread), and N random
-//!   cuts in between where the writes a volatile cache held were lost, kept or torn.
+//! - `plan LOG [--points N|all] [--random N] [--seed S] [--atomic BYTES]`: the
+//!   states to check, one JSON object per line: every point where all acknowledged
+//!   writes were durable (after each flush and FUA write; or N of them, evenly
+//!   spread), and N random cuts in between where the writes a volatile cache held
+//!   were lost, kept or torn (between units of `--atomic` bytes, 4 KiB unless told).
 //! - `make LOG --device ORIG --state ID -o OUT`: OUT is ORIG (the device as it was
 //!   when logging began) with what state ID left on the media; written to a
 //!   temporary file, then renamed.
 //!
-//! A state's id is enough to make it again: `p<N>` is the clean cut after the first N
-//! entries, `r<SEED>.<I>` the I-th random cut drawn with SEED.
+//! A state's id (with the same `--atomic`) is enough to make it again: `p<N>` is the
+//! clean cut after the first N entries, `r<SEED>.<I>` the I-th random cut drawn with
+//! SEED.
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;
@@ -50,6 +52,9 @@ enum Cmd {
         /// The random cuts' seed.
         #[arg(long, default_value_t = 1)]
         seed: u64,
+        /// Bytes the disk writes all or nothing (torn writes tear between these).
+        #[arg(long, default_value_t = writelog::ATOMIC_UNIT)]
+        atomic: u64,
     },
     /// Makes one state's device image.
     Make {
@@ -63,6 +68,9 @@ enum Cmd {
         /// Where the image goes (replaced whole).
         #[arg(short, long)]
         output: PathBuf,
+        /// Bytes the disk writes all or nothing: as `plan` was given.
+        #[arg(long, default_value_t = writelog::ATOMIC_UNIT)]
+        atomic: u64,
     },
 }
 
@@ -104,13 +112,15 @@ fn main() -> Result<()> {
             points,
             random,
             seed,
-        } => plan(&Log::open(&log)?, &points, random, seed),
+            atomic,
+        } => plan(&Log::open(&log)?, &points, random, seed, atomic),
         Cmd::Make {
             log,
             device,
             state,
             output,
-        } => make(&Log::open(&log)?, &log, &device, &state, &output),
+            atomic,
+        } => make(&Log::open(&log)?, &log, &device, &state, &output, atomic),
     }
 }
 
@@ -143,7 +153,7 @@ fn info(log: &Log) -> Result<()> {
     Ok(())
 }
 
-fn plan(log: &Log, points: &str, random: usize, seed: u64) -> Result<()> {
+fn plan(log: &Log, points: &str, random: usize, seed: u64, atomic: u64) -> Result<()> {
     let all = log.durable_points();
     let chosen: Vec<usize> = match points {
         "all" => all,
@@ -172,7 +182,7 @@ fn plan(log: &Log, points: &str, random: usize, seed: u64) -> Result<()> {
     }
     for i in 0..random {
         let id = format!("r{seed}.{i}");
-        say(id.clone(), &state_of(log, &id)?)?;
+        say(id.clone(), &state_of(log, &id, atomic)?)?;
     }
     Ok(())
 }
@@ -208,7 +218,7 @@ fn phase(log: &Log, acknowledged: usize) -> &str {
 }
 
 /// The state a `plan` id names.
-fn state_of(log: &Log, id: &str) -> Result<CrashState> {
+fn state_of(log: &Log, id: &str, unit: u64) -> Result<CrashState> {
     if let Some(ack) = id.strip_prefix('p') {
         let ack: usize = ack.parse().with_context(|| format!("state {id:?}"))?;
         if ack > log.entries().len() {
@@ -225,11 +235,18 @@ fn state_of(log: &Log, id: &str) -> Result<CrashState> {
     );
     // One generator per state, so that any state is made again from its id alone.
     let mut rng = fastrand::Rng::with_seed(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ i);
-    Ok(log.random_state(&mut rng))
+    Ok(log.random_state(unit, &mut rng))
 }
 
-fn make(log: &Log, log_path: &Path, device: &Path, id: &str, output: &Path) -> Result<()> {
-    let state = state_of(log, id)?;
+fn make(
+    log: &Log,
+    log_path: &Path,
+    device: &Path,
+    id: &str,
+    output: &Path,
+    atomic: u64,
+) -> Result<()> {
+    let state = state_of(log, id, atomic)?;
     let len = std::fs::metadata(device)
         .with_context(|| format!("{}", device.display()))?
         .len();
@@ -286,15 +303,16 @@ mod tests {
         std::fs::write(&path, writelog::fuzzing::sample_log()).unwrap();
         let log = Log::open(&path).unwrap();
         for id in ["r1.0", "r1.1", "r9.4"] {
-            assert_eq!(state_of(&log, id).unwrap(), state_of(&log, id).unwrap());
+            let a = state_of(&log, id, 512).unwrap();
+            assert_eq!(a, state_of(&log, id, 512).unwrap());
         }
         let last = log.entries().len();
         assert_eq!(
-            state_of(&log, &format!("p{last}")).unwrap(),
+            state_of(&log, &format!("p{last}"), 512).unwrap(),
             log.clean_state(last)
         );
         for bad in ["x", "p", "r1", "r.1", &format!("p{}", last + 1)] {
-            assert!(state_of(&log, bad).is_err(), "{bad}");
+            assert!(state_of(&log, bad, 512).is_err(), "{bad}");
         }
     }
 
@@ -308,13 +326,13 @@ mod tests {
         std::fs::write(&small, [0u8; 512]).unwrap();
         let out = dir.path().join("out");
         let id = format!("p{}", log.entries().len());
-        let e = make(&log, &path, &small, &id, &out).unwrap_err();
+        let e = make(&log, &path, &small, &id, &out, 4096).unwrap_err();
         assert!(e.to_string().contains("not the device it logged"), "{e}");
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2);
 
         let dev = dir.path().join("dev");
         std::fs::write(&dev, vec![0u8; log.device_len() as usize]).unwrap();
-        make(&log, &path, &dev, &id, &out).unwrap();
+        make(&log, &path, &dev, &id, &out, 4096).unwrap();
         let mut want = vec![0u8; log.device_len() as usize];
         log.apply(
             &log.clean_state(log.entries().len()),

@@ -2,7 +2,7 @@
 //! turns into images; a bad log or id fails with a message naming it, and leaves
 //! nothing.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 fn run(args: &[&str]) -> Output {
@@ -16,14 +16,22 @@ fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
+/// The sample log in `dir` ("log"), parsed, and a zeroed device of `len` bytes
+/// ("dev"; the log's own device size when `None`).
+fn sample(dir: &Path, len: Option<u64>) -> (PathBuf, writelog::Log, PathBuf) {
+    let log = dir.join("log");
+    std::fs::write(&log, writelog::fuzzing::sample_log()).unwrap();
+    let parsed = writelog::Log::open(&log).unwrap();
+    let dev = dir.join("dev");
+    let len = len.unwrap_or(parsed.device_len());
+    std::fs::write(&dev, vec![0u8; len as usize]).unwrap();
+    (log, parsed, dev)
+}
+
 #[test]
 fn planned_states_are_made_from_their_ids() {
     let dir = tempfile::tempdir().unwrap();
-    let log = dir.path().join("log");
-    std::fs::write(&log, writelog::fuzzing::sample_log()).unwrap();
-    let parsed = writelog::Log::open(&log).unwrap();
-    let dev = dir.path().join("dev");
-    std::fs::write(&dev, vec![0u8; parsed.device_len() as usize]).unwrap();
+    let (log, parsed, dev) = sample(dir.path(), None);
 
     let o = run(&["info", s(&log)]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -87,10 +95,7 @@ fn bad_input_names_what_is_wrong_and_leaves_nothing() {
     assert_eq!(o.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&o.stderr).contains("bad.log"));
 
-    let log = dir.path().join("log");
-    std::fs::write(&log, writelog::fuzzing::sample_log()).unwrap();
-    let dev = dir.path().join("dev");
-    std::fs::write(&dev, vec![0u8; 1 << 20]).unwrap();
+    let (log, _, dev) = sample(dir.path(), Some(1 << 20));
     let out = dir.path().join("out.img");
     let o = run(&[
         "make",

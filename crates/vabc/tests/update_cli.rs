@@ -81,30 +81,7 @@ impl Device {
     /// (and the environment `env`).
     fn bundle_with(&self, name: &str, extra: &[&str], env: &[(&str, &str)]) -> PathBuf {
         let out = self.dir.path().join(name);
-        let key = self.dir.path().join("k.pem");
-        let p = format!(
-            "system={},{}",
-            corpus_image("tiny", "old", "ext4").display(),
-            corpus_image("tiny", "new", "ext4").display()
-        );
-        let mut args = vec![
-            "bundle",
-            "create",
-            "-p",
-            &p,
-            "-o",
-            s(&out),
-            "--key",
-            s(&key),
-            "--verity",
-        ];
-        args.extend_from_slice(extra);
-        let o = Command::new(vabc())
-            .args(&args)
-            .envs(env.iter().copied())
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        create_bundle(&out, &self.dir.path().join("k.pem"), extra, env);
         out
     }
 
@@ -311,25 +288,37 @@ fn shared_bundle() -> &'static Path {
         let d = tmp.join(format!("update_cli-{}", std::process::id()));
         std::fs::create_dir_all(&d).unwrap();
         let (key, _) = keypair(&d, "k");
-        let p = format!(
-            "system={},{}",
-            corpus_image("tiny", "old", "ext4").display(),
-            corpus_image("tiny", "new", "ext4").display()
-        );
-        let out = d.join("u.vabc");
-        ok(&[
-            "bundle",
-            "create",
-            "-p",
-            &p,
-            "-o",
-            s(&out),
-            "--key",
-            s(&key),
-            "--verity",
-        ]);
+        create_bundle(&d.join("u.vabc"), &key, &[], &[]);
         d
     })
+}
+
+/// A signed --verity bundle of the tiny ext4 pair at `out`, made with `key`, the
+/// options `extra` and the environment `env`.
+fn create_bundle(out: &Path, key: &Path, extra: &[&str], env: &[(&str, &str)]) {
+    let p = format!(
+        "system={},{}",
+        corpus_image("tiny", "old", "ext4").display(),
+        corpus_image("tiny", "new", "ext4").display()
+    );
+    let mut args = vec![
+        "bundle",
+        "create",
+        "-p",
+        &p,
+        "-o",
+        s(out),
+        "--key",
+        s(key),
+        "--verity",
+    ];
+    args.extend_from_slice(extra);
+    let o = Command::new(vabc())
+        .args(&args)
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 }
 
 fn keypair(dir: &Path, name: &str) -> (PathBuf, PathBuf) {

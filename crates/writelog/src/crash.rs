@@ -3,9 +3,13 @@
 //! A cut after the first `acknowledged` entries leaves on the media:
 //! - every write before the last flush among them (the flush made them durable);
 //! - every FUA write among them (durable when it completed);
-//! - of the other writes after that flush, any subset, each whole or torn at sector
-//!   granularity: a volatile write cache may have written back any of them, in any
-//!   order, or part of one.
+//! - of the other writes after that flush, any subset, each whole or torn into
+//!   atomic units: a volatile write cache may have written back any of them, in any
+//!   order, or part of one. The unit is what the device writes all or nothing on a
+//!   power loss: its physical sector, 4 KiB ([`ATOMIC_UNIT`]) on Advanced Format
+//!   disks and flash storage. At 512 bytes a cut can tear ext4's 1 KiB superblock
+//!   itself, which the file system does not survive (its checksum fails before
+//!   the journal can repair it).
 //!
 //! Applying what reached the media in the log's order gives every outcome a reordering
 //! can: for each sector, the newest write that reached the media wins, and dropping
@@ -18,7 +22,16 @@ use std::path::Path;
 use vabc_io::{ReadAt, WriteAt};
 
 use crate::Result;
-use crate::log::{Log, Op};
+use crate::log::{Entry, Log, Op};
+
+/// Where an entry that changes the device starts (0 for one that does not).
+fn entry_offset(e: &Entry) -> u64 {
+    e.extent().map_or(0, |(offset, _)| offset)
+}
+
+/// The atomic write unit the states assume unless told otherwise: 4 KiB, the
+/// physical sector of Advanced Format disks and the page of eMMC and UFS storage.
+pub const ATOMIC_UNIT: u64 = 4096;
 
 /// A part of one logged write or discard that reached the media.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,14 +96,23 @@ impl Log {
     }
 
     /// A random state of a cut after a random number of entries: the writes after
-    /// the last flush each kept whole (half the time), lost (a quarter) or torn.
-    pub fn random_state(&self, rng: &mut fastrand::Rng) -> CrashState {
+    /// the last flush each kept whole (half the time), lost (a quarter) or torn
+    /// into units of `unit` bytes (rounded up to a multiple of the log's sector).
+    pub fn random_state(&self, unit: u64, rng: &mut fastrand::Rng) -> CrashState {
         let acknowledged = rng.usize(0..=self.entries().len());
-        self.random_state_at(acknowledged, rng)
+        self.random_state_at(acknowledged, unit, rng)
     }
 
-    /// A random state of a cut after the first `acknowledged` entries.
-    pub fn random_state_at(&self, acknowledged: usize, rng: &mut fastrand::Rng) -> CrashState {
+    /// A random state of a cut after the first `acknowledged` entries, writes torn
+    /// into units of `unit` bytes.
+    pub fn random_state_at(
+        &self,
+        acknowledged: usize,
+        unit: u64,
+        rng: &mut fastrand::Rng,
+    ) -> CrashState {
+        let sector = u64::from(self.sector_size());
+        let unit = unit.max(sector).div_ceil(sector) * sector;
         let entries = self.entries();
         let acknowledged = acknowledged.min(entries.len());
         // Everything before the last flush is durable; the flush entry itself, if it
@@ -116,24 +138,29 @@ impl Log {
                 0 | 1 => state.pieces.push(whole),
                 2 => state.dropped += 1,
                 _ => {
-                    let sectors = whole.len / u64::from(self.sector_size());
-                    if sectors < 2 {
+                    // Units counted from the device's start: a write's edges need
+                    // not be aligned to them.
+                    let (offset, len) = (entry_offset(entry), whole.len);
+                    let first = offset / unit;
+                    let last = (offset + len).div_ceil(unit);
+                    if last - first < 2 {
                         state.dropped += 1;
                         continue;
                     }
                     state.torn += 1;
-                    // A random subset of its sectors, as runs.
-                    let sector = u64::from(self.sector_size());
+                    // A random subset of its units, as runs.
                     let mut run: Option<u64> = None;
-                    for s in 0..=sectors {
-                        let keep = s < sectors && rng.bool();
+                    for u in first..=last {
+                        let keep = u < last && rng.bool();
                         match (keep, run) {
-                            (true, None) => run = Some(s),
+                            (true, None) => run = Some(u),
                             (false, Some(start)) => {
+                                let from = (start * unit).max(offset);
+                                let to = (u * unit).min(offset + len);
                                 state.pieces.push(Piece {
                                     entry: i,
-                                    skip: start * sector,
-                                    len: (s - start) * sector,
+                                    skip: from - offset,
+                                    len: to - from,
                                 });
                                 run = None;
                             }

@@ -22,7 +22,7 @@
 //! let log = writelog::Log::open(&path)?;
 //! let mut rng = fastrand::Rng::with_seed(7);
 //! let mut device = vec![0u8; log.device_len() as usize];
-//! let state = log.random_state(&mut rng);
+//! let state = log.random_state(writelog::ATOMIC_UNIT, &mut rng);
 //! log.apply(&state, &std::fs::read(&path).unwrap(), &mut device, "device".as_ref())?;
 //! # Ok(())
 //! # }
@@ -33,7 +33,7 @@ mod log;
 
 use std::path::PathBuf;
 
-pub use crash::{CrashState, Piece};
+pub use crash::{ATOMIC_UNIT, CrashState, Piece};
 pub use log::{
     END_MARK, Entry, EntryHeader, FLAG_DISCARD, FLAG_FLUSH, FLAG_FUA, FLAG_MARK, FLAG_METADATA,
     Log, MAGIC, Op, Super, VERSION,
@@ -75,7 +75,7 @@ pub mod fuzzing {
         let mut device = vec![0u8; log.device_len() as usize];
         let mut rng = fastrand::Rng::with_seed(data.len() as u64);
         for _ in 0..4 {
-            let state = log.random_state(&mut rng);
+            let state = log.random_state(crate::ATOMIC_UNIT, &mut rng);
             let _ = log.apply(&state, data, &mut device, "fuzz".as_ref());
         }
         for point in log.durable_points() {

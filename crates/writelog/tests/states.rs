@@ -78,7 +78,7 @@ fn random_states_keep_what_was_durable() {
     let mut rng = fastrand::Rng::with_seed(1);
     let (mut lossy, mut torn) = (0, 0);
     for _ in 0..500 {
-        let state = log.random_state_at(8, &mut rng);
+        let state = log.random_state_at(8, 512, &mut rng);
         assert_eq!(state.durable, 2, "the last flush is entry 2");
         let dev = device_after(&log, &bytes, &state, len);
         // The flushed write no later write covers, and the FUA write, always.
@@ -164,7 +164,15 @@ proptest! {
         let log = read(&bytes).unwrap();
         let len = 32 * 512;
         let mut rng = fastrand::Rng::with_seed(seed);
-        let state = log.random_state(&mut rng);
+        let unit = [512, 1024, 4096][(seed % 3) as usize];
+        let state = log.random_state(unit, &mut rng);
+        // A torn write reached the media in whole units (or up to its own edges).
+        for p in &state.pieces {
+            let (off, l) = log.entries()[p.entry].extent().unwrap();
+            let (from, to) = (off + p.skip, off + p.skip + p.len);
+            prop_assert!(from == off || from % unit == 0, "{:?} starts inside a unit of {}", p, unit);
+            prop_assert!(to == off + l || to % unit == 0, "{:?} ends inside a unit of {}", p, unit);
+        }
         let dev = device_after(&log, &bytes, &state, len);
         let base = device_after(&log, &bytes, &log.clean_state(state.durable), len);
         for s in 0..32 {
