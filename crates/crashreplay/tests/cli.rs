@@ -12,6 +12,20 @@ fn run(args: &[&str]) -> Output {
         .unwrap()
 }
 
+/// `make` of state `id` from `log` over `dev` into `out`.
+fn make(log: &Path, dev: &Path, id: &str, out: &Path) -> Output {
+    run(&[
+        "make",
+        s(log),
+        "--device",
+        s(dev),
+        "--state",
+        id,
+        "-o",
+        s(out),
+    ])
+}
+
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
@@ -49,16 +63,7 @@ fn planned_states_are_made_from_their_ids() {
     for p in &plan {
         let id = p["id"].as_str().unwrap();
         let out = dir.path().join(format!("{id}.img"));
-        let o = run(&[
-            "make",
-            s(&log),
-            "--device",
-            s(&dev),
-            "--state",
-            id,
-            "-o",
-            s(&out),
-        ]);
+        let o = make(&log, &dev, id, &out);
         assert!(
             o.status.success(),
             "{id}: {}",
@@ -97,16 +102,7 @@ fn bad_input_names_what_is_wrong_and_leaves_nothing() {
 
     let (log, _, dev) = sample(dir.path(), Some(1 << 20));
     let out = dir.path().join("out.img");
-    let o = run(&[
-        "make",
-        s(&log),
-        "--device",
-        s(&dev),
-        "--state",
-        "q1",
-        "-o",
-        s(&out),
-    ]);
+    let o = make(&log, &dev, "q1", &out);
     assert_eq!(o.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&o.stderr).contains("\"q1\""));
     let mut names: Vec<_> = std::fs::read_dir(dir.path())
