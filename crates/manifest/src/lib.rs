@@ -250,8 +250,8 @@ fn one_pass(
     Ok((regions, whole))
 }
 
-fn regions_of(size: u64) -> usize {
-    size.div_ceil(REGION_SIZE) as usize
+fn regions_of(size: u64, region_size: u64) -> usize {
+    size.div_ceil(region_size) as usize
 }
 
 impl ImageId {
@@ -321,13 +321,16 @@ impl ImageId {
                 msg: format!("{what}: {msg}"),
             })
         };
-        if self.region_size != REGION_SIZE {
+        // REGION_SIZE, or the coarser regions an update bundle names a base by (a
+        // power of two, so that a partition of any size has at most 16): never finer,
+        // so that a crafted manifest cannot ask for a hash per block.
+        if self.region_size < REGION_SIZE || !self.region_size.is_power_of_two() {
             return bad(format!(
-                "region size {} (this vabc uses {REGION_SIZE})",
+                "region size {} (this vabc uses {REGION_SIZE}, or a larger power of two)",
                 self.region_size
             ));
         }
-        if self.regions.len() != regions_of(self.size) {
+        if self.regions.len() != regions_of(self.size, self.region_size) {
             return bad(format!(
                 "{} region hashes for {} bytes",
                 self.regions.len(),
@@ -548,5 +551,36 @@ mod tests {
             Manifest::path_for(Path::new("/x/u.cow")),
             Path::new("/x/u.cow.manifest")
         );
+    }
+
+    #[test]
+    fn a_base_named_by_a_bundles_coarse_regions_parses_and_finer_or_odd_ones_do_not() {
+        // A bundle names a base of more than 16 regions by at most 16 of a larger
+        // power of two (8 MiB for a 100 MiB partition): what a device serves from.
+        let id = |size: u64, region_size: u64| ImageId {
+            size,
+            sha256: "0".repeat(64),
+            region_size,
+            regions: vec!["1".repeat(64); size.div_ceil(region_size) as usize],
+        };
+        let with_base = |base: ImageId| Manifest {
+            schema_version: SCHEMA_VERSION,
+            base,
+            new: id(100 << 20, REGION_SIZE),
+            cow_ops: 1,
+            merged_op_hashes: None,
+        };
+        let p = Path::new("system.manifest");
+        let coarse = with_base(id(100 << 20, 8 << 20));
+        assert_eq!(Manifest::parse(&coarse.to_json(), p).unwrap(), coarse);
+        for bad in [4096, 3 << 20, 12 << 20] {
+            let e = Manifest::parse(&with_base(id(100 << 20, bad)).to_json(), p).unwrap_err();
+            assert!(e.to_string().contains("region size"), "{bad}: {e}");
+        }
+        // The count follows the region size.
+        let mut short = coarse.clone();
+        short.base.regions.pop();
+        let e = Manifest::parse(&short.to_json(), p).unwrap_err();
+        assert!(e.to_string().contains("12 region hashes"), "{e}");
     }
 }
