@@ -71,7 +71,7 @@ step "the .deb" scripts/package.sh deb --binary "${CARGO_TARGET_DIR:-target}/deb
 step "the static build" scripts/package.sh musl
 step "the packages in a chroot" scripts/test-package.sh --musl "${CARGO_TARGET_DIR:-target}/x86_64-unknown-linux-musl/release/vabc"
 if [ "${VABC_SKIP_VM:-0}" = 1 ]; then
-	echo "test.sh: VABC_SKIP_VM=1: the VM tier (tests/vm/conformance.sh, tests/vm/device.sh) was NOT run"
+	echo "test.sh: VABC_SKIP_VM=1: the VM tier (tests/vm/*.sh) was NOT run"
 	exit 0
 fi
 # The binary `cargo test` just built (CARGO_TARGET_DIR respected).
@@ -79,6 +79,10 @@ VABC=${CARGO_TARGET_DIR:-target}/debug/vabc step "VM: conformance" tests/vm/conf
 # The packaged unit under a real systemd (the .deb and chroot made above).
 step "VM: the unit" tests/vm/unit.sh
 VABC=${CARGO_TARGET_DIR:-target}/debug/vabc step "VM: the device scenario" tests/vm/device.sh
+# A real Debian system (systemd as PID 1, the .deb's units and initramfs-tools
+# scripts): installed, booted from base + COW, assessed good through
+# boot-complete.target, merged; a failing update rolled back.
+VABC=${CARGO_TARGET_DIR:-target}/debug/vabc step "VM: a real OS" tests/vm/system.sh
 # Crash consistency write by write: an install and a merge of two partitions logged
 # by dm-log-writes in one boot, then 24 of the disk states a power cut could leave at
 # the flush points and 24 in between, each booted and carried to the end here

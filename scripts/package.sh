@@ -2,8 +2,10 @@
 # Build vabc for shipping:
 #   scripts/package.sh deb [--binary FILE]
 #       a Debian package, target/debian/vabc_VERSION_ARCH.deb: the binary (stripped),
-#       manual pages, shell completions, the vabc-serve@ unit, the initramfs step
-#       (/usr/share/vabc/vabc-boot.sh) and its initramfs-tools hook, the docs.
+#       manual pages, shell completions, the units (vabc-serve@, and the boot
+#       assessment's vabc-health-check, vabc-mark-good and vabc-merge, enabled by its
+#       postinst), the initramfs step (/usr/share/vabc/vabc-boot.sh) with its
+#       initramfs-tools hook and scripts, the docs.
 #       The binary is a release build, or FILE (the suite packages the binary its
 #       tests ran, saving a second build). scripts/test-package.sh installs it.
 #   scripts/package.sh musl
@@ -20,7 +22,7 @@ BIN=
 while (($#)); do
 	case $1 in
 	--binary) BIN=$2; shift 2 ;;
-	*) sed -n '2,15p' "$0" >&2; exit 2 ;;
+	*) sed -n '2,17p' "$0" >&2; exit 2 ;;
 	esac
 done
 case $what in
@@ -38,7 +40,7 @@ musl)
 	ls -l "$B"
 	exit 0
 	;;
-*) sed -n '2,15p' "$0" >&2; exit 2 ;;
+*) sed -n '2,17p' "$0" >&2; exit 2 ;;
 esac
 if [ -z "$BIN" ]; then
 	cargo build --release --locked -p vabc
@@ -61,9 +63,15 @@ gzip -9n "$R"/usr/share/man/man1/*.1
 "$BIN" completions bash >"$R/usr/share/bash-completion/completions/vabc"
 "$BIN" completions zsh >"$R/usr/share/zsh/vendor-completions/_vabc"
 "$BIN" completions fish >"$R/usr/share/fish/vendor_completions.d/vabc.fish"
-install -m 644 packaging/vabc-serve@.service "$R/usr/lib/systemd/system/"
-install -m 755 packaging/initramfs/vabc-boot.sh "$R/usr/share/vabc/"
+install -m 644 packaging/systemd/*.service "$R/usr/lib/systemd/system/"
+install -m 755 packaging/systemd/health-check.sh packaging/initramfs/vabc-boot.sh "$R/usr/share/vabc/"
 install -m 755 packaging/initramfs/initramfs-tools-hook "$R/usr/share/initramfs-tools/hooks/vabc"
+install -D -m 755 packaging/initramfs/initramfs-tools-local-top \
+	"$R/usr/share/initramfs-tools/scripts/local-top/vabc"
+install -D -m 755 packaging/initramfs/initramfs-tools-local-bottom \
+	"$R/usr/share/initramfs-tools/scripts/local-bottom/vabc"
+install -m 755 packaging/deb/postinst packaging/deb/postrm "$R/DEBIAN/"
+install -m 644 packaging/deb/triggers "$R/DEBIAN/"
 install -m 644 README.md "$R/usr/share/doc/vabc/"
 install -m 644 docs/*.md "$R/usr/share/doc/vabc/docs/"
 echo "vabc developers, Apache-2.0" >"$R/usr/share/doc/vabc/copyright"

@@ -5,7 +5,8 @@
 # Debian bookworm chroot (minbase and systemd) and checks there:
 #   - `systemd-analyze verify` passes for every unit it ships (an instance of the
 #     template: its ExecStart exists and is executable, its directives are known);
-#   - the initramfs step, its hook and the manual pages are where the docs say;
+#   - the initramfs step, its hook and scripts and the manual pages are where the
+#     docs say, and the postinst enabled the boot assessment's units;
 #   - `vabc diff` then `vabc apply` of a small update gives the new image;
 # and outside it that the packaged binary is stripped. With --musl, the static
 # binary (scripts/package.sh musl) makes the same round trip in the chroot, which has
@@ -18,7 +19,7 @@ MUSL=
 while (($#)); do
 	case $1 in
 	--musl) MUSL=$(realpath "$2"); shift 2 ;;
-	*) sed -n '2,14p' "$0" >&2; exit 2 ;;
+	*) sed -n '2,16p' "$0" >&2; exit 2 ;;
 	esac
 done
 say() { echo "test-package: $*" >&2; }
@@ -70,8 +71,14 @@ chroot "$ROOTFS" /bin/sh -ec '
 		>/tmp/vabc-serve@old.service
 	systemd-analyze verify --man=no /tmp/vabc-serve@old.service 2>&1 | grep -q "is not executable" ||
 		{ echo "systemd-analyze verify did not flag a missing ExecStart binary"; exit 1; }
-	ls /usr/share/vabc/vabc-boot.sh /usr/share/initramfs-tools/hooks/vabc \
-		/usr/share/man/man1/vabc-diff.1.gz >/dev/null
+	ls /usr/share/vabc/vabc-boot.sh /usr/share/vabc/health-check.sh \
+		/usr/share/initramfs-tools/hooks/vabc /usr/share/initramfs-tools/scripts/local-top/vabc \
+		/usr/share/initramfs-tools/scripts/local-bottom/vabc /usr/share/man/man1/vabc-diff.1.gz >/dev/null
+	# The postinst enabled the boot assessment (inert until /etc/vabc/device.conf).
+	for u in vabc-health-check vabc-mark-good vabc-merge; do
+		[ "$(systemctl is-enabled $u.service)" = enabled ] || { echo "$u.service is not enabled"; exit 1; }
+	done
+	echo "units vabc-health-check, vabc-mark-good, vabc-merge: enabled by the postinst"
 	roundtrip() { # BINARY
 		"$1" diff /tmp/old.img /tmp/new.img -o /tmp/u.cow --no-progress >/dev/null
 		"$1" apply --base /tmp/old.img --cow /tmp/u.cow -o /tmp/out.img --no-progress >/dev/null

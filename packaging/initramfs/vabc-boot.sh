@@ -21,9 +21,12 @@
 # /run into it (mount --move) before switch_root: the daemon keeps serving from the
 # descriptors it holds, and the new system finds the store (for `vabc update
 # mark-good`) and the daemons' reports (/run/vabc) where they were.
-# Env: VABC (the binary; default: vabc on PATH), VABC_ON_FAIL (exit|reboot).
+# Env: VABC (the binary; default: vabc on PATH), VABC_ON_FAIL (exit|reboot),
+# VABC_BOOT_DEVICES (a file to get every partition's "NAME DEVICE" line when more
+# partitions than the root are given with -b in the options: the boot step's answer
+# for them; not written when the store holds no update state).
 set -u
-[ $# -ge 4 ] || { sed -n '2,24p' "$0" >&2; exit 2; }
+[ $# -ge 4 ] || { sed -n '2,27p' "$0" >&2; exit 2; }
 STORE_DEV=$1 STORE_MNT=$2 STORE_DIR=$3 ROOT=$4
 shift 4
 NAME=${ROOT%%=*} ROOT_DEV=${ROOT#*=}
@@ -46,7 +49,8 @@ halt() {
 }
 
 mkdir -p "$STORE_MNT"
-mountpoint -q "$STORE_MNT" || mount -o rw "$STORE_DEV" "$STORE_MNT" ||
+# (/proc/mounts, not mountpoint(1): initramfs-tools' busybox has no such applet.)
+grep -q " $STORE_MNT " /proc/mounts || mount -o rw "$STORE_DEV" "$STORE_MNT" ||
 	halt "cannot mount the store's partition $STORE_DEV, so the update's state is unknown"
 [ -d "$STORE_MNT/$STORE_DIR" ] || fallback "no update store in $STORE_MNT/$STORE_DIR"
 [ -e "$STORE_MNT/$STORE_DIR/state" ] || fallback "no update state in $STORE_MNT/$STORE_DIR"
@@ -58,4 +62,7 @@ rc=$?
 [ $rc -eq 0 ] || halt "vabc update boot failed (exit $rc)"
 dev=$(echo "$out" | while read -r n d; do [ "$n" = "$NAME" ] && echo "$d"; done)
 [ -n "$dev" ] || halt "vabc update boot named no device for $NAME"
+if [ -n "${VABC_BOOT_DEVICES:-}" ]; then
+	echo "$out" >"$VABC_BOOT_DEVICES" || halt "cannot write $VABC_BOOT_DEVICES"
+fi
 echo "$dev"

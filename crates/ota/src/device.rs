@@ -261,6 +261,39 @@ impl Booted {
     pub fn path(run_dir: &Path) -> PathBuf {
         run_dir.join("booted.json")
     }
+
+    /// This boot's record, if `run_dir` holds a readable one.
+    pub fn read(run_dir: &Path) -> Option<Booted> {
+        std::fs::read_to_string(Self::path(run_dir))
+            .ok()
+            .and_then(|t| serde_json::from_str(&t).ok())
+    }
+}
+
+/// Whether the record says this boot serves the update `state` names.
+fn runs_update(booted: Option<&Booted>, state: &State) -> bool {
+    booted.is_some_and(|b| {
+        b.snapshot && b.update_id.as_deref() == state.update().map(|u| u.id.as_str())
+    })
+}
+
+/// Why there is nothing for [`mark_good`] to do on this boot, or `None` when there
+/// is: the update is installed and this boot serves it. A unit that runs on every
+/// boot (after `boot-complete.target`) asks this first, so that a boot of the base,
+/// or one after the merge began, succeeds without marking anything.
+pub fn nothing_to_mark(store_path: &Path, run_dir: &Path) -> Result<Option<String>> {
+    let store = Store::open(store_path)?;
+    let state = store.load()?;
+    if !matches!(state, State::Installed { .. }) {
+        return Ok(Some(format!("the update's state is {}", state.name())));
+    }
+    if !runs_update(Booted::read(run_dir).as_ref(), &state) {
+        return Ok(Some(format!(
+            "this boot runs the base, not the installed update ({})",
+            Booted::path(run_dir).display()
+        )));
+    }
+    Ok(None)
 }
 
 /// The running new system works: the state becomes merging (the serving daemon
@@ -280,13 +313,8 @@ pub fn mark_good(store_path: &Path, run_dir: &Path, keys: &Keyring) -> Result<&'
     // Only the new system may say it works: a boot that fell back to the base (the
     // update failed to start) runs the old one.
     let record = Booted::path(run_dir);
-    let booted: Option<Booted> = std::fs::read_to_string(&record)
-        .ok()
-        .and_then(|t| serde_json::from_str(&t).ok());
-    let runs_update = booted.as_ref().is_some_and(|b| {
-        b.snapshot && b.update_id.as_deref() == state.update().map(|u| u.id.as_str())
-    });
-    if !runs_update {
+    let booted = Booted::read(run_dir);
+    if !runs_update(booted.as_ref(), &state) {
         return Err(store
             .refused(format!(
                 "this boot does not run the update ({} says {}): {}; nothing was changed",

@@ -190,31 +190,71 @@ impl Device {
         ])
     }
 
-    /// `mark-good` as the new system runs it.
-    fn mark_good(&self) -> std::process::Output {
-        run_vabc(&[
-            "update",
-            "mark-good",
-            "--store",
-            s(&self.store),
-            "--run-dir",
-            s(&self.run),
-            "--key",
-            s(&self.public),
-            "--json",
-        ])
+    /// `mark-good` as the new system runs it, with `extra` options.
+    fn mark_good_with(&self, extra: &[&str]) -> std::process::Output {
+        let mut args = vec!["update", "mark-good", "--store", s(&self.store)];
+        args.extend(["--run-dir", s(&self.run), "--key", s(&self.public)]);
+        args.extend(extra);
+        run_vabc(&args)
     }
 
-    /// `mark-good`, then the daemon's merge to its end: the base is the new image.
+    /// `mark-good` as the new system runs it.
+    fn mark_good(&self) -> std::process::Output {
+        self.mark_good_with(&["--json"])
+    }
+
+    /// `mark-good`, then the daemon's merge to its end, followed as the merge unit
+    /// follows it (`wait-merge`): the base is the new image.
     fn mark_good_and_wait_merged(&self) {
         let o = self.mark_good();
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        let t = Instant::now();
-        while self.state()["state"] != "merged" {
-            assert!(t.elapsed() < Duration::from_secs(120), "{}", self.state());
-            std::thread::sleep(Duration::from_millis(200));
-        }
+        let out = self.wait_merge();
+        assert!(out.contains("merged (state merged)"), "{out}");
+        assert_eq!(self.state()["state"], "merged");
         assert_eq!(sha256_file(&self.base), self.new_sha, "merged in place");
+    }
+
+    /// `wait-merge` (it must end, and succeed) under a service manager's notify
+    /// socket, as `vabc-merge.service` runs it: it says READY=1, and its last STATUS=
+    /// is its last line. Returns its output.
+    fn wait_merge(&self) -> String {
+        let sock_path = self.dir.path().join("notify.sock");
+        let _ = std::fs::remove_file(&sock_path);
+        let sock = std::os::unix::net::UnixDatagram::bind(&sock_path).unwrap();
+        sock.set_nonblocking(true).unwrap();
+        let o = Command::new(vabc())
+            .args(["update", "wait-merge", "--store", s(&self.store)])
+            .args(["--stall-timeout", "120"])
+            .env("NOTIFY_SOCKET", &sock_path)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let out = String::from_utf8_lossy(&o.stdout).into_owned();
+        let mut said = Vec::new();
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = sock.recv(&mut buf) {
+            said.push(String::from_utf8_lossy(&buf[..n]).into_owned());
+        }
+        assert!(
+            said.iter().any(|m| m.lines().any(|l| l == "READY=1")),
+            "{said:?}"
+        );
+        let last_line = out.lines().last().unwrap_or_default();
+        let last_status = said.last().and_then(|m| m.strip_prefix("STATUS="));
+        assert_eq!(
+            last_status.map(|s| s.trim_end()),
+            last_line.split_once(": ").map(|(_, m)| m),
+            "{said:?}"
+        );
+        out
+    }
+
+    /// `mark-good --if-pending`, as the unit after boot-complete.target runs it every
+    /// boot; its output.
+    fn mark_good_if_pending(&self) -> String {
+        let o = self.mark_good_with(&["--if-pending"]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8_lossy(&o.stdout).into_owned()
     }
 
     /// The power goes: the daemon is stopped (SIGTERM takes its loop device and FUSE
@@ -370,6 +410,19 @@ fn an_update_boots_from_its_cow_merges_once_marked_good_and_leaves_a_clean_store
         "{e}"
     );
     assert_eq!(d.state()["state"], "installed");
+    // The boot-assessment units run every boot: on one that runs the base they
+    // succeed and change nothing.
+    let out = d.mark_good_if_pending();
+    assert!(
+        out.contains("nothing to mark good: this boot runs the base"),
+        "{out}"
+    );
+    let out = d.wait_merge();
+    assert!(
+        out.contains("no merge under way (state installed)"),
+        "{out}"
+    );
+    assert_eq!(d.state()["state"], "installed");
 
     let b = d.boot();
     assert_eq!(b["state"], "installed");
@@ -398,6 +451,13 @@ fn an_update_boots_from_its_cow_merges_once_marked_good_and_leaves_a_clean_store
     let o = run_vabc(&["update", "rollback", "--store", s(&d.store)]);
     assert_eq!(o.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&o.stderr).contains("nothing to roll back to"));
+
+    // Nothing to mark once merged.
+    let out = d.mark_good_if_pending();
+    assert!(
+        out.contains("nothing to mark good: the update's state is merged"),
+        "{out}"
+    );
 
     // The next boot mounts the base and removes the COW; the version merged stays,
     // the floor of the next install.
@@ -900,6 +960,43 @@ fn an_update_that_does_not_go_forward_is_refused() {
         e.contains("begun with other bases") && e.contains(s(&d.base)),
         "{e}"
     );
+}
+
+#[test]
+fn a_partition_of_more_than_sixteen_regions_boots_and_merges_its_update() {
+    // A bundle names a base by at most 16 regions: 8 MiB ones for these 72 MiB, where
+    // the device's own manifests use 4 MiB. The daemon serves from the signed ones.
+    let mut d = Device::new();
+    let dir = d.dir.path().to_path_buf();
+    let (old, new) = (dir.join("big-old.img"), dir.join("big-new.img"));
+    let mut rng = fastrand::Rng::with_seed(72);
+    let mut img = vec![0u8; 72 << 20];
+    img[..4 << 20].fill_with(|| rng.u8(..));
+    std::fs::write(&old, &img).unwrap();
+    img[40 << 20..41 << 20].fill_with(|| rng.u8(..));
+    std::fs::write(&new, &img).unwrap();
+    std::fs::copy(&old, &d.base).unwrap();
+    (d.old_sha, d.new_sha) = (sha256_file(&old), sha256_file(&new));
+    let bundle = dir.join("big.vabc");
+    let p = format!("system={},{}", old.display(), new.display());
+    let key = dir.join("k.pem");
+    ok(&[
+        "bundle",
+        "create",
+        "-p",
+        &p,
+        "-o",
+        s(&bundle),
+        "--key",
+        s(&key),
+        "--verity",
+    ]);
+    let args = d.install_args(&bundle);
+    ok(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let b = d.boot();
+    assert_eq!(b["partitions"][0]["served"], true, "{b}");
+    assert_eq!(sha256_file(&device_of(&b)), d.new_sha);
+    d.mark_good_and_wait_merged();
 }
 
 #[test]

@@ -85,6 +85,9 @@ enum Sub {
     /// The running new system works: merge the update into the bases (in the serving
     /// daemon, while it keeps serving). Refused unless this boot runs the update.
     MarkGood(MarkGoodArgs),
+    /// Follow the merge the serving daemons run until it is done, its progress on
+    /// stdout and to systemd (sd_notify STATUS=); at once when no merge is under way.
+    WaitMerge(WaitMergeArgs),
     /// Drop the update (allowed until its merge starts); the next boot runs the old
     /// system.
     Rollback(StoreArgs),
@@ -114,6 +117,21 @@ struct MarkGoodArgs {
     run_dir: PathBuf,
     #[command(flatten)]
     keys: DeviceKeys,
+    /// Succeed without marking anything when there is nothing to mark: the update is
+    /// not installed, or this boot runs the base (for a unit that runs every boot).
+    #[arg(long)]
+    if_pending: bool,
+}
+
+#[derive(clap::Args)]
+struct WaitMergeArgs {
+    /// The update store.
+    #[arg(long, value_name = "DIR")]
+    store: PathBuf,
+    /// Fail when the merge has not moved for this many seconds (its daemon gone: the
+    /// next boot resumes it).
+    #[arg(long, default_value_t = 600, value_name = "SECS")]
+    stall_timeout: u64,
 }
 
 #[derive(clap::Args)]
@@ -216,6 +234,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
         Sub::Install(a) => install(a),
         Sub::Boot(a) => boot(a),
         Sub::MarkGood(a) => mark_good(a),
+        Sub::WaitMerge(a) => wait_merge(a),
         Sub::Rollback(a) => rollback(a),
         Sub::Status(a) => status(a),
         Sub::Daemon(a) => daemon(a),
@@ -324,6 +343,11 @@ fn boot(a: BootArgs) -> Result<ExitCode> {
         let exe = std::env::current_exe()
             .map_err(|e| ota::Error::io("find the vabc binary", "/proc/self/exe", e))?;
         let mut cmd = Command::new(exe);
+        // systemd's final killing spree at shutdown spares a process whose argv[0]
+        // begins with '@' (its root-storage daemon convention): this one serves the
+        // root, which is unmounted after that spree.
+        use std::os::unix::process::CommandExt;
+        cmd.arg0("@vabc");
         cmd.args(["update", "daemon", "--store"])
             .arg(d.store)
             .args(["--partition", d.partition, "--frontend", d.frontend.name()])
@@ -365,6 +389,11 @@ fn held(file: std::fs::File) -> PathBuf {
 }
 
 fn daemon(a: DaemonArgs) -> Result<ExitCode> {
+    // The root is served from here: the OOM killer choosing this process would take
+    // every process's file system along. Best effort: only root may lower it.
+    if let Err(e) = std::fs::write("/proc/self/oom_score_adj", "-1000") {
+        eprintln!("vabc update daemon: cannot set oom_score_adj -1000: {e}");
+    }
     let store = Store::open(&a.store)?;
     // Everything below is proven against the signed manifest before it is served,
     // and served from the descriptors that were proven.
@@ -422,6 +451,19 @@ fn daemon(a: DaemonArgs) -> Result<ExitCode> {
 
 fn mark_good(m: MarkGoodArgs) -> Result<ExitCode> {
     let a = m.store;
+    if m.if_pending
+        && let Some(why) = ota::device::nothing_to_mark(&a.store, &m.run_dir)?
+    {
+        if a.json {
+            report::print(StoreReport {
+                store: &a.store,
+                state: ota::device::status(&a.store)?.state,
+            })?;
+        } else {
+            println!("{}: nothing to mark good: {why}", a.store.display());
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
     let state = ota::device::mark_good(&a.store, &m.run_dir, &m.keys.load())?;
     if a.json {
         report::print(StoreReport {
@@ -436,6 +478,69 @@ fn mark_good(m: MarkGoodArgs) -> Result<ExitCode> {
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Merged and total ops over every partition, when the merge has begun for all.
+fn merge_sum(st: &ota::device::Status) -> (u64, Option<u64>) {
+    st.partitions
+        .iter()
+        .fold((0, Some(0)), |(m, t), p| match p.merge {
+            Some(s) => (m + s.merged, t.zip(s.total).map(|(a, b)| a + b)),
+            None => (m, None),
+        })
+}
+
+fn wait_merge(a: WaitMergeArgs) -> Result<ExitCode> {
+    let notify = |status: &str| {
+        // Outside systemd there is no socket to tell: nothing is lost.
+        let _ = sd_notify::notify(&[sd_notify::NotifyState::Status(status)]);
+    };
+    let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready]);
+    let stall = Duration::from_secs(a.stall_timeout);
+    let (mut last, mut moved, mut said) = (None, Instant::now(), None);
+    loop {
+        let st = ota::device::status(&a.store)?;
+        if st.state != "merging" {
+            // A merge that ended while this waited leaves merged; none is the next
+            // boot's clean-up of it, or no update at all.
+            let msg = match (st.state, last) {
+                ("merged", _) | ("none", Some(_)) => format!("merged (state {})", st.state),
+                (s, _) => format!("no merge under way (state {s})"),
+            };
+            println!("{}: {msg}", a.store.display());
+            notify(&msg);
+            return Ok(ExitCode::SUCCESS);
+        }
+        let (merged, total) = merge_sum(&st);
+        if last != Some(merged) {
+            last = Some(merged);
+            moved = Instant::now();
+            let msg = match total {
+                Some(t) if t > 0 => format!(
+                    "merging: {merged} of {t} ops ({}%)",
+                    merged.saturating_mul(100) / t
+                ),
+                _ => format!("merging: {merged} ops (not every partition has begun)"),
+            };
+            notify(&msg);
+            // The journal gets a line per tenth, not one per poll.
+            let tenth = total
+                .filter(|&t| t > 0)
+                .map(|t| merged.saturating_mul(10) / t);
+            if said.is_none() || tenth != said.flatten() {
+                said = Some(tenth);
+                println!("{}: {msg}", a.store.display());
+            }
+        } else if moved.elapsed() > stall {
+            anyhow::bail!(
+                "{}: the merge has not moved for {} s ({merged} ops merged): is its serving \
+                 daemon running? The next boot resumes it",
+                a.store.display(),
+                stall.as_secs()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
 }
 
 fn rollback(a: StoreArgs) -> Result<ExitCode> {
