@@ -236,7 +236,13 @@ mount -t proc proc "$WORK/r1/proc"
 cp "$KROOT/boot/config-$KVER" "$WORK/r1/boot/"
 sed -i 's/^MODULES=.*/MODULES=list/' "$WORK/r1/etc/initramfs-tools/initramfs.conf"
 printf '%s\n' virtio_pci virtio_blk erofs ext4 dm_mod dm_verity ublk_drv >>"$WORK/r1/etc/initramfs-tools/modules"
-chroot "$WORK/r1" mkinitramfs -o /tmp/initrd.img "$KVER" 2>&1 | grep -v '^$' | sed 's/^/    mkinitramfs: /' >&2 || true
+if ! chroot "$WORK/r1" mkinitramfs -o /tmp/initrd.img "$KVER" >"$WORK/mkinitramfs.log" 2>&1; then
+	cat "$WORK/mkinitramfs.log" >&2
+	say "mkinitramfs failed"
+	exit 1
+fi
+# Its warnings (no zstd, say), if any: grep finding none is no failure.
+grep -v '^$' "$WORK/mkinitramfs.log" | sed 's/^/    mkinitramfs: /' >&2 || true
 umount "$WORK/r1/proc" "$WORK/r1/dev" "$WORK/r1/usr/lib/modules/$KVER"
 mv "$WORK/r1/tmp/initrd.img" "$WORK/initrd.img"
 rm -rf "$WORK/r1/boot/config-$KVER" "$WORK/r1/usr/lib/modules/$KVER"
