@@ -793,6 +793,21 @@ fn a_cow_swapped_after_mark_good_is_not_merged_and_the_base_is_unchanged() {
     assert!(o.stdout.is_empty());
     assert_eq!(sha256_file(&d.base), d.old_sha, "nothing merged");
     assert_eq!(d.state()["state"], "merging");
+    // No daemon merges: the merge unit's follower says so instead of waiting forever.
+    let o = run_vabc(&[
+        "update",
+        "wait-merge",
+        "--store",
+        s(&d.store),
+        "--stall-timeout",
+        "1",
+    ]);
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{e}");
+    assert!(
+        e.contains("has not moved for 1 s") && e.contains("next boot resumes it"),
+        "{e}"
+    );
 }
 
 #[test]
