@@ -5,7 +5,7 @@
 #       manual pages, shell completions, the units (vabc-serve@, and the boot
 #       assessment's vabc-health-check, vabc-mark-good and vabc-merge, enabled by its
 #       postinst), the initramfs step (/usr/share/vabc/vabc-boot.sh) with its
-#       initramfs-tools hook and scripts, the docs.
+#       initramfs-tools hook and scripts and its dracut module, the docs.
 #       The binary is a release build, or FILE (the suite packages the binary its
 #       tests ran, saving a second build). scripts/test-package.sh installs it.
 #   scripts/package.sh musl
@@ -70,6 +70,8 @@ install -D -m 755 packaging/initramfs/initramfs-tools-local-top \
 	"$R/usr/share/initramfs-tools/scripts/local-top/vabc"
 install -D -m 755 packaging/initramfs/initramfs-tools-local-bottom \
 	"$R/usr/share/initramfs-tools/scripts/local-bottom/vabc"
+install -d "$R/usr/lib/dracut/modules.d/90vabc"
+install -m 755 packaging/dracut/90vabc/* "$R/usr/lib/dracut/modules.d/90vabc/"
 install -m 755 packaging/deb/postinst packaging/deb/postrm "$R/DEBIAN/"
 install -m 644 packaging/deb/triggers "$R/DEBIAN/"
 install -m 644 README.md "$R/usr/share/doc/vabc/"

@@ -73,7 +73,8 @@ chroot "$ROOTFS" /bin/sh -ec '
 		{ echo "systemd-analyze verify did not flag a missing ExecStart binary"; exit 1; }
 	ls /usr/share/vabc/vabc-boot.sh /usr/share/vabc/health-check.sh \
 		/usr/share/initramfs-tools/hooks/vabc /usr/share/initramfs-tools/scripts/local-top/vabc \
-		/usr/share/initramfs-tools/scripts/local-bottom/vabc /usr/share/man/man1/vabc-diff.1.gz >/dev/null
+		/usr/share/initramfs-tools/scripts/local-bottom/vabc /usr/share/man/man1/vabc-diff.1.gz \
+		/usr/lib/dracut/modules.d/90vabc/module-setup.sh >/dev/null
 	# The postinst enabled the boot assessment (inert until /etc/vabc/device.conf).
 	for u in vabc-health-check vabc-mark-good vabc-merge; do
 		[ "$(systemctl is-enabled $u.service)" = enabled ] || { echo "$u.service is not enabled"; exit 1; }

@@ -12,7 +12,9 @@
 # version 3 is version 2 with a health check that fails. Each has the .deb
 # (scripts/package.sh deb) installed with its units enabled by its postinst, and the
 # kernel boots with an initramfs that initramfs-tools made in version 1 from the
-# package's hook and scripts (nothing of the test in it). The boots:
+# package's hook and scripts (nothing of the test in it); boots 4 to 6 with one that
+# dracut made from the package's module, in version 1 with dracut in place of
+# initramfs-tools. The boots:
 #   1. version 1 runs; a test unit installs the signed update to version 2 (both
 #      partitions) from inside the running system;
 #   2. the initramfs serves base + COW (ublk, kernel dm-verity) and systemd boots the
@@ -27,15 +29,15 @@
 #   4-5. version 3 boots from base + COW, its health check fails, boot-complete.target
 #      is never reached and nothing marks it good;
 #   6. the boot step rolls it back: version 2 from the bases, the store empty.
-# After the last boot both disks must be byte for byte version 2. Images are made
-# once (the two mmdebstrap trees, in $VABC_OS_CACHE, default ~/.cache/vabc-os) and
-# then from the cache; a run is six boots under software emulation.
+# After the last boot both disks must be byte for byte version 2. The three
+# mmdebstrap trees are made once (in $VABC_OS_CACHE, default ~/.cache/vabc-os), the
+# images from them on every run; a run is six boots under software emulation.
 # Env: VABC (default target/debug/vabc; makes the bundles), VABC_OS_CACHE, TMPDIR,
 # VABC_KEEP (keep the work folder).
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
-[ $# = 0 ] || { sed -n '2,31p' "$0" >&2; exit 2; }
+[ $# = 0 ] || { sed -n '2,33p' "$0" >&2; exit 2; }
 say() { echo "system: $*" >&2; }
 FAILED=0
 fail() { say "FAIL: $*"; FAILED=$((FAILED + 1)); }
@@ -52,27 +54,31 @@ KVER=$(ls "$KROOT/lib/modules")
 # differs between them is what the upgrades changed.
 OSCACHE=${VABC_OS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/vabc-os}
 MIRROR=http://deb.debian.org/debian
-if [ ! -e "$OSCACHE/.done" ]; then
-	rm -rf "$OSCACHE"
-	mkdir -p "$OSCACHE"
-	say "mmdebstrap Debian bookworm as released and as updated into $OSCACHE, once"
-	for v in 1 2; do
-		src=("deb $MIRROR bookworm main")
-		[ $v = 1 ] || src+=("deb $MIRROR bookworm-updates main"
-			"deb http://deb.debian.org/debian-security bookworm-security main")
-		SOURCE_DATE_EPOCH=1700000000 mmdebstrap --quiet --variant=minbase \
-			--include=systemd,systemd-sysv,udev,initramfs-tools,busybox,kmod,cryptsetup-bin,dmsetup \
-			--dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/locale/*' \
-			--dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-include=/usr/share/doc/*/copyright' \
-			bookworm "$OSCACHE/v$v.tar" "${src[@]}" >/dev/null
-	done
-	touch "$OSCACHE/.done"
-fi
+# Tree d1 is version 1 with dracut in place of initramfs-tools (they conflict): the
+# system whose dracut makes the second initramfs.
+mkdir -p "$OSCACHE"
+for v in 1 2 d1; do
+	[ -e "$OSCACHE/v$v.tar" ] && continue
+	say "mmdebstrap Debian bookworm ($v) into $OSCACHE, once"
+	src=("deb $MIRROR bookworm main") gen=initramfs-tools
+	[ $v != 2 ] || src+=("deb $MIRROR bookworm-updates main"
+		"deb http://deb.debian.org/debian-security bookworm-security main")
+	[ $v != d1 ] || gen=dracut
+	# (mmdebstrap picks the output's format by its name: a tarball's ends in .tar.)
+	SOURCE_DATE_EPOCH=1700000000 mmdebstrap --quiet --variant=minbase \
+		--include=systemd,systemd-sysv,udev,$gen,busybox,kmod,cryptsetup-bin,dmsetup \
+		--dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/locale/*' \
+		--dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-include=/usr/share/doc/*/copyright' \
+		bookworm "$OSCACHE/v$v.tmp.tar" "${src[@]}" >/dev/null
+	mv "$OSCACHE/v$v.tmp.tar" "$OSCACHE/v$v.tar"
+done
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/vabc-system.XXXXXX")
 cleanup() {
 	local rc=$?
-	for m in proc dev usr/lib/modules/"$KVER"; do umount "$WORK/r1/$m" 2>/dev/null || true; done
+	for r in r1 rd; do
+		for m in proc dev usr/lib/modules/"$KVER"; do umount "$WORK/$r/$m" 2>/dev/null || true; done
+	done
 	pkill -KILL -f "file=$WORK/" 2>/dev/null || true
 	[ -n "${VABC_KEEP:-}" ] || rm -rf "$WORK"
 	exit "$rc"
@@ -229,23 +235,37 @@ EOF
 chmod 755 "$WORK/r3/etc/vabc/health.d/50-broken"
 # The initramfs, as the system makes it: initramfs-tools with the package's hook and
 # scripts, the kernel's modules lent for the while.
-mkdir -p "$WORK/r1/usr/lib/modules/$KVER" "$WORK/r1/boot"
-mount --bind -o ro "$KROOT/lib/modules/$KVER" "$WORK/r1/usr/lib/modules/$KVER"
-mount --bind /dev "$WORK/r1/dev"
-mount -t proc proc "$WORK/r1/proc"
-cp "$KROOT/boot/config-$KVER" "$WORK/r1/boot/"
+mkinitrd() { # ROOT OUT COMMAND...: COMMAND run in ROOT makes /tmp/initrd.img
+	local R=$1 out=$2
+	shift 2
+	mkdir -p "$R/usr/lib/modules/$KVER" "$R/boot"
+	mount --bind -o ro "$KROOT/lib/modules/$KVER" "$R/usr/lib/modules/$KVER"
+	mount --bind /dev "$R/dev"
+	mount -t proc proc "$R/proc"
+	cp "$KROOT/boot/config-$KVER" "$R/boot/"
+	local rc=0
+	chroot "$R" "$@" >"$WORK/mkinitrd.log" 2>&1 || rc=$?
+	umount "$R/proc" "$R/dev" "$R/usr/lib/modules/$KVER"
+	if ((rc)); then
+		cat "$WORK/mkinitrd.log" >&2
+		say "$1 failed (exit $rc)"
+		exit 1
+	fi
+	# Its warnings (no zstd, say), if any: grep finding none is no failure.
+	grep -v '^$' "$WORK/mkinitrd.log" | grep -iE 'warn|W:|error' | sed "s/^/    $1: /" >&2 || true
+	mv "$R/tmp/initrd.img" "$out"
+	rm -rf "$R/boot/config-$KVER" "$R/usr/lib/modules/$KVER"
+}
 sed -i 's/^MODULES=.*/MODULES=list/' "$WORK/r1/etc/initramfs-tools/initramfs.conf"
 printf '%s\n' virtio_pci virtio_blk erofs ext4 dm_mod dm_verity ublk_drv >>"$WORK/r1/etc/initramfs-tools/modules"
-if ! chroot "$WORK/r1" mkinitramfs -o /tmp/initrd.img "$KVER" >"$WORK/mkinitramfs.log" 2>&1; then
-	cat "$WORK/mkinitramfs.log" >&2
-	say "mkinitramfs failed"
-	exit 1
-fi
-# Its warnings (no zstd, say), if any: grep finding none is no failure.
-grep -v '^$' "$WORK/mkinitramfs.log" | sed 's/^/    mkinitramfs: /' >&2 || true
-umount "$WORK/r1/proc" "$WORK/r1/dev" "$WORK/r1/usr/lib/modules/$KVER"
-mv "$WORK/r1/tmp/initrd.img" "$WORK/initrd.img"
-rm -rf "$WORK/r1/boot/config-$KVER" "$WORK/r1/usr/lib/modules/$KVER"
+mkinitrd "$WORK/r1" "$WORK/initrd.img" mkinitramfs -o /tmp/initrd.img "$KVER"
+# The same system's initramfs as dracut (Fedora's and RHEL's generator) makes it,
+# with the package's module: the boots of version 3 and the rollback use it.
+mkroot "$WORK/rd" d1 1
+mkinitrd "$WORK/rd" "$WORK/initrd-dracut.img" dracut --quiet --force --no-hostonly --kver "$KVER" \
+	--modules "systemd systemd-initrd dracut-systemd base dm rootfs-block fs-lib udev-rules vabc" \
+	--drivers "virtio_pci virtio_blk erofs ext4 dm_mod dm_verity ublk_drv loop" /tmp/initrd.img
+rm -rf "$WORK/rd"
 for v in 1 2 3; do
 	erofs "$WORK/r$v" "$WORK/system$v.img"
 	mkvendor "$WORK/vendor$v" "$v"
@@ -276,7 +296,7 @@ mkfs.ext4 -q -F -b 4096 -L data -E root_owner=0:0 -d "$D" "$WORK/data.img" 320M
 cp "$WORK/system1.img" "$WORK/system.img"
 cp "$WORK/vendor1.img" "$WORK/vendor.img"
 say "images in $((SECONDS - t0)) s: system $SYSSIZE (EROFS: $(stat -c %s "$WORK/system1.img") bytes), vendor $VENSIZE;" \
-	"initramfs $(stat -c %s "$WORK/initrd.img") bytes; bundles $(stat -c %s "$D/bundles/good.vabc") and $(stat -c %s "$D/bundles/bad.vabc") bytes"
+	"initramfs $(stat -c %s "$WORK/initrd.img") bytes (dracut's $(stat -c %s "$WORK/initrd-dracut.img")); bundles $(stat -c %s "$D/bundles/good.vabc") and $(stat -c %s "$D/bundles/bad.vabc") bytes"
 
 # --- One boot of the device: the system makes its report and reboots itself.
 N=0 FLAKES=0
@@ -285,7 +305,7 @@ N=0 FLAKES=0
 boot_once() { # ACTION
 	timeout -k 10 900 qemu-system-x86_64 -machine q35 -accel tcg,thread=multi -cpu max -smp 2 -m 1536 \
 		-display none -monitor none -serial stdio -no-reboot -nodefaults \
-		-kernel "$KROOT/vmlinux" -initrd "$WORK/initrd.img" \
+		-kernel "$KROOT/vmlinux" -initrd "${INITRD:-$WORK/initrd.img}" \
 		-append "console=ttyS0 root=/dev/vda ro rootfstype=erofs panic=-1 loglevel=3 systemd.show_status=error vabc.test=$1" \
 		-drive "file=$WORK/system.img,if=virtio,format=raw,cache=writeback" \
 		-drive "file=$WORK/vendor.img,if=virtio,format=raw,cache=writeback" \
@@ -300,7 +320,7 @@ boot() { # ACTION
 	# A guest kernel that panicked before initramfs-tools ran a script never reached
 	# vabc: the emulator's fault (multi-threaded emulation of a stock kernel, about
 	# one boot in a few dozen: its live code patching), booted again and counted.
-	while ! grep -q 'Running /scripts/init-premount' "$LOG" && grep -q 'Kernel panic' "$LOG" && ((FLAKES < 3)); do
+	while ! grep -qE 'Running /scripts/init-premount|dracut' "$LOG" && grep -q 'Kernel panic' "$LOG" && ((FLAKES < 3)); do
 		FLAKES=$((FLAKES + 1))
 		say "boot $N: the guest kernel panicked before the initramfs ran; booting again"
 		grep -m3 -E 'Oops|RIP:|Kernel panic' "$LOG" | sed 's/^/    /' >&2
@@ -357,7 +377,9 @@ boot install-bad
 versions "merged" 2 /dev/vda /dev/vdb
 has 'vabc-os: install-done rc=0 state installed' || fail "boot $N: version 3 did not install"
 
-# 4-5. Version 3 fails its health check twice: never marked good.
+# 4-5. Version 3 fails its health check twice: never marked good. From here on the
+# initramfs is dracut's.
+INITRD=$WORK/initrd-dracut.img
 for attempt in 1 2; do
 	boot run
 	versions "version 3, attempt $attempt" 3 "${SERVED[@]}"
@@ -381,4 +403,4 @@ if ((FAILED)); then
 	exit 1
 fi
 ((FLAKES == 0)) || say "$FLAKES boot(s) made again after the emulated kernel panicked before the initramfs ran"
-say "PASS: $N boots of a real Debian system (systemd as PID 1): installed, booted from base + COW under dm-verity, assessed good through boot-complete.target, merged, and a failing update rolled back"
+say "PASS: $N boots of a real Debian system (systemd as PID 1; initramfs-tools, then dracut): installed, booted from base + COW under dm-verity, assessed good through boot-complete.target, merged, and a failing update rolled back"
