@@ -37,7 +37,7 @@
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
-[ $# = 0 ] || { sed -n '2,33p' "$0" >&2; exit 2; }
+[ $# = 0 ] || { sed -n '2,36p' "$0" >&2; exit 2; }
 say() { echo "system: $*" >&2; }
 FAILED=0
 fail() { say "FAIL: $*"; FAILED=$((FAILED + 1)); }
