@@ -28,6 +28,13 @@ fn ok(args: &[&str]) -> std::process::Output {
     o
 }
 
+/// The stderr of a run that must have failed with exit status 1 (an error).
+fn failed(o: &std::process::Output) -> String {
+    let e = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert_eq!(o.status.code(), Some(1), "{e}");
+    e
+}
+
 fn json(o: &std::process::Output) -> serde_json::Value {
     serde_json::from_slice(&o.stdout).unwrap()
 }
@@ -802,8 +809,7 @@ fn a_cow_swapped_after_mark_good_is_not_merged_and_the_base_is_unchanged() {
         "--stall-timeout",
         "1",
     ]);
-    let e = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(1), "{e}");
+    let e = failed(&o);
     assert!(
         e.contains("has not moved for 1 s") && e.contains("next boot resumes it"),
         "{e}"
@@ -969,8 +975,7 @@ fn an_update_that_does_not_go_forward_is_refused() {
     let mut args = d.install_args(&v11);
     args[6] = format!("system={}", copy.display());
     let o = run_vabc(&args.iter().map(String::as_str).collect::<Vec<_>>());
-    let e = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(1), "{e}");
+    let e = failed(&o);
     assert!(
         e.contains("begun with other bases") && e.contains(s(&d.base)),
         "{e}"
@@ -1041,8 +1046,7 @@ fn a_base_of_another_size_is_not_the_partition() {
         s(&d.dir.path().join("e.vabc")),
         "--unsigned",
     ]);
-    let e = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(1), "{e}");
+    let e = failed(&o);
     assert!(
         e.contains("OLD is empty") && e.contains("--full system=NEW"),
         "{e}"
