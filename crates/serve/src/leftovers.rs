@@ -82,7 +82,7 @@ pub fn is_temp_name(path: &Path) -> bool {
 /// itself, never what it points to); gone already is fine.
 pub fn remove_temp(path: &Path) -> io::Result<()> {
     let r = match std::fs::symlink_metadata(path) {
-        Ok(md) if md.is_dir() => std::fs::remove_dir_all(path),
+        Ok(md) if md.is_dir() => remove_folder(path),
         Ok(_) => std::fs::remove_file(path),
         Err(e) => Err(e),
     };
@@ -90,6 +90,25 @@ pub fn remove_temp(path: &Path) -> io::Result<()> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
         r => r,
     }
+}
+
+/// Removes a work folder that the command's other threads may still be writing into
+/// (a signal's removal runs while they go on). It is renamed aside first: a thread
+/// that creates a file in it by its path then fails instead of re-filling a folder
+/// `remove_dir_all` has already emptied, which would leave it behind (ENOTEMPTY).
+/// The new name is a temporary one too, so a SIGKILL in between leaves nothing
+/// `vabc cleanup` would not recognise.
+fn remove_folder(path: &Path) -> io::Result<()> {
+    let aside = path.file_name().map(|n| {
+        let mut n = n.to_os_string();
+        n.push(".removing.tmp");
+        path.with_file_name(n)
+    });
+    let target = match aside {
+        Some(a) if std::fs::rename(path, &a).is_ok() => a,
+        _ => path.to_path_buf(),
+    };
+    std::fs::remove_dir_all(target)
 }
 
 /// A record on disk; removed on drop (after a clean tear-down).
@@ -369,6 +388,34 @@ mod tests {
         let e = cleanup(dir.path()).unwrap_err().to_string();
         assert!(e.contains("not trusted"), "{e}");
         assert!(victim.exists());
+    }
+
+    #[test]
+    fn a_work_folder_being_filled_is_removed_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        for round in 0..20 {
+            let folder = dir.path().join(format!(".vabc-bundle.R{round}"));
+            std::fs::create_dir(&folder).unwrap();
+            for i in 0..200 {
+                std::fs::write(folder.join(format!("old{i}")), b"x").unwrap();
+            }
+            let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let writer = {
+                let (folder, stop) = (folder.clone(), stop.clone());
+                std::thread::spawn(move || {
+                    let mut i = 0;
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        let _ = std::fs::write(folder.join(format!("new{i}")), b"x");
+                        i += 1;
+                    }
+                })
+            };
+            remove_temp(&folder).unwrap();
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            writer.join().unwrap();
+            let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+            assert!(left.is_empty(), "round {round}: {left:?}");
+        }
     }
 
     #[test]
