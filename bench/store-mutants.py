@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 VABC = os.environ.get("VABC") or str(ROOT / "target/release/vabc")
 CORPUS = Path(os.environ.get("VABC_CORPUS") or Path(tempfile.gettempdir()) / "corpus")
 TIMEOUT = 60
-FILES = ["state", "update.head", "system.cow", "system.cow.manifest", "system.verity", "version"]
+FILES = ["state", "state.copy", "update.head", "system.cow", "system.cow.manifest", "system.verity", "version"]
 FAILURES = ["unsigned boot", "unsigned merge", "refused merge changed the base",
             "outside touched", "panic", "hang"]
 
@@ -206,7 +206,11 @@ def mutate(d, rng):
                 upd[field] = value
             else:
                 p[field] = value
-            (d.store / "state").write_text(json.dumps(st))
+            # As an attacker writes it: the state file and its copy, no check (it
+            # finds damage; whoever writes the partition can compute it).
+            st.pop("check", None)
+            for f in ("state", "state.copy"):
+                (d.store / f).write_text(json.dumps(st))
             return f"state {field}={value}"
     data = path.read_bytes()
     if kind == "byte":

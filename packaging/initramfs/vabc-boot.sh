@@ -53,7 +53,9 @@ mkdir -p "$STORE_MNT"
 grep -q " $STORE_MNT " /proc/mounts || mount -o rw "$STORE_DEV" "$STORE_MNT" ||
 	halt "cannot mount the store's partition $STORE_DEV, so the update's state is unknown"
 [ -d "$STORE_MNT/$STORE_DIR" ] || fallback "no update store in $STORE_MNT/$STORE_DIR"
-[ -e "$STORE_MNT/$STORE_DIR/state" ] || fallback "no update state in $STORE_MNT/$STORE_DIR"
+# (The state's copy counts: vabc reads it when the state file is damaged or gone.)
+[ -e "$STORE_MNT/$STORE_DIR/state" ] || [ -e "$STORE_MNT/$STORE_DIR/state.copy" ] ||
+	fallback "no update state in $STORE_MNT/$STORE_DIR"
 out=$("$VABC" update boot --store "$STORE_MNT/$STORE_DIR" -b "$NAME=$ROOT_DEV" "$@")
 rc=$?
 # 0: the device to mount (the base when that is safe, said on stderr); anything else

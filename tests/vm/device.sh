@@ -322,7 +322,7 @@ MERGE_LANDED=$landed
 boot install-bad
 expect "merged" 2 "$V2"
 [ "$ROOTDEV" = /dev/vda ] || fail "boot $N: root $ROOTDEV after the merge, expected the base /dev/vda"
-grep -q 'scenario: store: state version$' "$LOG" || fail "boot $N: the store was not cleaned after the merge"
+grep -q 'scenario: store: state state.copy version$' "$LOG" || fail "boot $N: the store was not cleaned after the merge"
 [ "$(sha "$SYS")" = "$V2" ] || fail "the system disk is not version 2 after the merge"
 grep -q 'scenario: install-done rc=0 state installed' "$LOG" || fail "boot $N: the bad update did not install"
 
@@ -343,7 +343,7 @@ expect "rolled back" 2 "$V2"
 [ "$ROOTDEV" = /dev/vda ] && grep -q 'scenario: end: state none' "$LOG" ||
 	fail "boot $N: not rolled back to the base (root $ROOTDEV)"
 grep -q 'vabc update boot: .*rolled back' "$LOG" || fail "boot $N: the boot did not say it rolled back"
-grep -q 'scenario: store: state version$' "$LOG" || fail "boot $N: the store was not freed by the rollback"
+grep -q 'scenario: store: state state.copy version$' "$LOG" || fail "boot $N: the store was not freed by the rollback"
 [ "$(sha "$SYS")" = "$V2" ] || fail "the system disk is not version 2 after the rollback"
 [ -n "${HALTED:-}" ] || fail "no boot found the merge under way without ublk (no halt was checked)"
 

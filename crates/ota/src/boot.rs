@@ -115,15 +115,36 @@ pub fn boot(
     daemon: &dyn Fn(&DaemonSpec) -> Result<Command>,
 ) -> Result<BootOutcome> {
     let store = Store::open(store_path)?;
-    let state = store.load()?;
+    let state = store.load_and_repair()?;
     let (action, next) = state.on_boot();
-    // The decision is durable before it is acted on: a power cut during this boot
-    // counts its attempt.
-    if next != state {
-        store.save(&next)?;
-    }
     let update = state.update();
     let bases = |u: Option<&Update>| base_devices(&opts.bases, u);
+    // The decision is durable before it is acted on: a power cut during this boot
+    // counts its attempt. Each decision that must be saved (an attempt counted, a
+    // roll-back, the clean-up after a merge) is one whose bases hold a whole system
+    // (untouched, or merged), so when it cannot be saved (a full data partition)
+    // this boot runs the bases and decides again next time: a device never stops
+    // booting over a record it could not write.
+    if next != state
+        && let Err(e) = store.save(&next)
+    {
+        let devices = bases(update);
+        record_booted(opts, &state, &devices)?;
+        return Ok(BootOutcome {
+            note: Some(format!(
+                "the update's next step could not be recorded ({}); booting the bases as they \
+                 are ({} image); the next boot decides again",
+                crate::error::chain(&e),
+                if matches!(state, State::Merged { .. }) {
+                    "the new, merged"
+                } else {
+                    "the old, untouched"
+                },
+            )),
+            state,
+            devices,
+        });
+    }
     let (devices, note) = match (action, update) {
         (BootAction::Base, _) => (bases(update), None),
         (BootAction::RollBack, Some(u)) => {

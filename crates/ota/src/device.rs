@@ -169,6 +169,9 @@ pub fn install(
 ) -> Result<DeviceInstall> {
     let store = Store::open(store_path)?;
     let before = store.load()?;
+    before
+        .may_install()
+        .map_err(|msg| store.refused(format!("{msg}; nothing was changed")))?;
     let trust = keys.trust()?;
     let running = running_version(&store, &opts.version_file)?;
     let now = std::time::SystemTime::now()
@@ -223,9 +226,18 @@ pub fn install(
             // the network keeps what it saved, for the next run (the install drops
             // saved bytes that did not decode or hash). A resumed install keeps its
             // state, to resume again.
-            if let (State::None, Some(u)) = (&before, &begun) {
-                store.save(&State::None)?;
-                store.remove_update_files(u)?;
+            if let (State::None, Some(u)) = (&before, &begun)
+                && let Err(undo) = store
+                    .save(&State::None)
+                    .and_then(|()| store.remove_update_files(u))
+            {
+                // Said, not returned: the install's own error is the one to report.
+                // The state stays installing, which boots the base and which the next
+                // install resumes or `rollback` drops.
+                log::warn!(
+                    "vabc update: the install's start could not be undone ({undo}); the \
+                     update stays installing"
+                );
             }
             return Err(e);
         }

@@ -393,6 +393,10 @@ impl Server {
         let mut lost = None;
         let mut merge_failed = None;
         let mut merge_job = self.merge_job.take();
+        // When the completed merge's record (`trigger.done`) is next tried: it can
+        // fail for a while (a full data partition) and is tried again until it holds,
+        // so that the space freed is all the device needs.
+        let mut record_done_at: Option<std::time::Instant> = None;
         while !stop.load(Ordering::Relaxed) {
             if let Some(t) = trigger.as_mut()
                 && merge_job.as_ref().is_some_and(|j| !j.started())
@@ -408,15 +412,31 @@ impl Server {
                             r.total_ops,
                             r.merged - r.started_at
                         );
-                        if let Some(t) = trigger.as_mut()
-                            && let Err(e) = (t.done)()
-                        {
-                            log::warn!("vabc serve: after the merge: {}", crate::error::chain(&e));
-                            merge_failed = Some(e);
+                        if trigger.is_some() {
+                            record_done_at = Some(std::time::Instant::now());
                         }
                     }
                     Err(e) => {
                         log::warn!("vabc serve: merge failed: {}", crate::error::chain(&e));
+                        merge_failed = Some(e);
+                    }
+                }
+            }
+            if let Some(t) = trigger.as_mut()
+                && record_done_at.is_some_and(|at| at <= std::time::Instant::now())
+            {
+                match (t.done)() {
+                    Ok(()) => {
+                        record_done_at = None;
+                        merge_failed = None;
+                    }
+                    Err(e) => {
+                        log::warn!(
+                            "vabc serve: after the merge: {}; tried again in {} s",
+                            crate::error::chain(&e),
+                            RECORD_RETRY.as_secs()
+                        );
+                        record_done_at = Some(std::time::Instant::now() + RECORD_RETRY);
                         merge_failed = Some(e);
                     }
                 }
@@ -453,6 +473,9 @@ impl Server {
         (self.fronts.stop(), self.stats)
     }
 }
+
+/// How long after a failed record of a completed merge it is tried again.
+const RECORD_RETRY: Duration = Duration::from_secs(5);
 
 /// What is checked and opened before anything is read: bad options and a missing
 /// driver fail here, before the engine's work.

@@ -47,6 +47,12 @@ pub const STATE_SCHEMA: u32 = 1;
 /// Name of the state file in a store.
 pub const STATE_FILE: &str = "state";
 
+/// Name of the state file's second copy, written before it at each step: what a boot
+/// reads when the state file itself is damaged or gone (a flash error, a file system
+/// repaired after a crash), so that such damage does not leave a device that cannot
+/// boot ([`Store::load`]).
+pub const STATE_COPY: &str = "state.copy";
+
 /// Largest state file read (a state of a few partitions is a few KiB).
 const MAX_STATE: u64 = 1 << 20;
 
@@ -197,6 +203,19 @@ impl State {
         }
     }
 
+    /// Whether an install may begin at all, before anything is read: not while a
+    /// merge is under way or done (the bases are the new image or becoming it).
+    pub fn may_install(&self) -> std::result::Result<(), String> {
+        match self {
+            State::Merging { .. } | State::Merged { .. } => Err(format!(
+                "an update is {} already (its bases are being overwritten in place): wait for \
+                 the merge and the boot after it, then install",
+                self.name()
+            )),
+            _ => Ok(()),
+        }
+    }
+
     /// `install` of `update`: from none, or resuming the same update.
     pub fn begin_install(&self, update: &Update) -> std::result::Result<State, String> {
         match self {
@@ -292,6 +311,28 @@ struct StateFile {
     schema_version: u32,
     #[serde(flatten)]
     state: State,
+    /// SHA-256 (hex) of the file as it is without this field: damage that still
+    /// parses (a flipped digit in the boot attempts, a letter of a base path) is
+    /// found, not acted on. Absent in files vabc wrote before it had one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    check: Option<String>,
+}
+
+/// The bytes of a state file without its check (what the check covers).
+fn unchecked_bytes(schema_version: u32, state: &State) -> Vec<u8> {
+    let f = StateFile {
+        schema_version,
+        state: state.clone(),
+        check: None,
+    };
+    let mut v = serde_json::to_vec_pretty(&f).unwrap_or_default();
+    v.push(b'\n');
+    v
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(bytes))
 }
 
 /// Parses a state file's bytes (`path` names it in errors).
@@ -313,6 +354,13 @@ pub fn parse_state(bytes: &[u8], path: &Path) -> Result<State> {
         });
     }
     let f: StateFile = serde_json::from_value(v).map_err(|e| corrupt(e.to_string()))?;
+    if let Some(check) = &f.check
+        && *check != sha256_hex(&unchecked_bytes(f.schema_version, &f.state))
+    {
+        return Err(corrupt(
+            "its check does not match what it says (a damaged byte)".into(),
+        ));
+    }
     if let Some(u) = f.state.update() {
         u.validate().map_err(corrupt)?;
     }
@@ -402,6 +450,7 @@ pub fn encode_state(state: &State) -> Vec<u8> {
     let f = StateFile {
         schema_version: STATE_SCHEMA,
         state: state.clone(),
+        check: Some(sha256_hex(&unchecked_bytes(STATE_SCHEMA, state))),
     };
     let mut v = serde_json::to_vec_pretty(&f).unwrap_or_default();
     v.push(b'\n');
@@ -475,7 +524,7 @@ impl Store {
                 })?;
         }
         let store = Store::open(path)?;
-        if store.exists(STATE_FILE)? {
+        if store.exists(STATE_FILE)? || store.exists(STATE_COPY)? {
             return Err(UpdateError::Refused {
                 path: path.to_path_buf(),
                 msg: "is an update store already (it has a state file)".into(),
@@ -580,29 +629,79 @@ impl Store {
             ))
         })?;
         let mut f = std::fs::File::from(fd);
-        f.write_all(bytes)
+        // A write that fails (a full partition) leaves no temporary file behind.
+        let written = f
+            .write_all(bytes)
             .and_then(|()| f.sync_all())
-            .map_err(|e| UpdateError::Io(vabc_io::Error::new("write", self.path.join(&tmp), e)))?;
+            .map_err(|e| UpdateError::Io(vabc_io::Error::new("write", self.path.join(&tmp), e)))
+            .and_then(|()| {
+                rustix::fs::renameat(&self.dir, &tmp, &self.dir, name).map_err(|e| {
+                    UpdateError::Io(vabc_io::Error::new(
+                        "rename into place",
+                        self.path.join(name),
+                        e.into(),
+                    ))
+                })
+            });
         drop(f);
-        rustix::fs::renameat(&self.dir, &tmp, &self.dir, name).map_err(|e| {
-            UpdateError::Io(vabc_io::Error::new(
-                "rename into place",
-                self.path.join(name),
-                e.into(),
-            ))
-        })?;
+        if let Err(e) = written {
+            let _ = self.remove(&tmp);
+            return Err(e);
+        }
         rustix::fs::fsync(&self.dir).map_err(self.io("fsync the store folder"))
     }
 
-    /// The current state.
+    /// The current state: the state file's, or, when that file is damaged or gone,
+    /// its copy's (said on the log). The copy is written first at each step, so it
+    /// holds the same state or, after a power cut between the two writes, the next
+    /// one: a step that was already decided (an install whose files are complete, a
+    /// merge asked for, an attempt counted), never one that goes back over a write
+    /// to a base. A state file from a newer vabc is refused, never passed over for
+    /// the copy; both damaged is [`UpdateError::Corrupt`] (the state file's error).
     pub fn load(&self) -> Result<State> {
-        let path = self.path.join(STATE_FILE);
-        if !self.exists(STATE_FILE)? {
+        self.load_either().map(|(state, _)| state)
+    }
+
+    /// [`Store::load`], and a state file read from its copy is written again from it
+    /// (what the boot step does, so that the damage is repaired at the first boot
+    /// after it). A repair that fails is said on the log: the state read stands.
+    pub fn load_and_repair(&self) -> Result<State> {
+        let (state, from_copy) = self.load_either()?;
+        if from_copy && let Err(e) = self.write_file(STATE_FILE, &encode_state(&state)) {
+            log::warn!("vabc update: the state file could not be repaired from its copy: {e}");
+        }
+        Ok(state)
+    }
+
+    /// The state, and whether it was read from the copy.
+    fn load_either(&self) -> Result<(State, bool)> {
+        let error = match self.load_file(STATE_FILE) {
+            Ok(state) => return Ok((state, false)),
+            Err(e @ (UpdateError::Corrupt { .. } | UpdateError::NoState { .. })) => e,
+            Err(e) => return Err(e),
+        };
+        match self.load_file(STATE_COPY) {
+            Ok(state) => {
+                log::warn!(
+                    "vabc update: {error}; the state is read from its copy {} ({})",
+                    self.path.join(STATE_COPY).display(),
+                    state.name()
+                );
+                Ok((state, true))
+            }
+            Err(_) => Err(error),
+        }
+    }
+
+    /// The state in the store's file `name`.
+    fn load_file(&self, name: &str) -> Result<State> {
+        let path = self.path.join(name);
+        if !self.exists(name)? {
             return Err(UpdateError::NoState {
                 path: self.path.clone(),
             });
         }
-        let bytes = match self.read_file(STATE_FILE, MAX_STATE) {
+        let bytes = match self.read_file(name, MAX_STATE) {
             Err(UpdateError::Refused { msg, .. }) => {
                 return Err(UpdateError::Corrupt { path, msg });
             }
@@ -612,9 +711,12 @@ impl Store {
     }
 
     /// Makes `state` the store's state, durably ([`Store::write_file`]): a power cut
-    /// leaves the old state or the new one.
+    /// leaves the old state or the new one. The copy is written first ([`Store::load`]
+    /// says why that order).
     pub fn save(&self, state: &State) -> Result<()> {
-        self.write_file(STATE_FILE, &encode_state(state))
+        let bytes = encode_state(state);
+        self.write_file(STATE_COPY, &bytes)?;
+        self.write_file(STATE_FILE, &bytes)
     }
 
     /// Removes the store's file `name` if it is there (the folder is fsynced by the
@@ -766,23 +868,72 @@ mod tests {
         st.save(&State::None).unwrap();
         assert_eq!(Store::open(&moved).unwrap().load().unwrap(), State::None);
 
+        // A newer layout is refused, never passed over for the copy.
         let state = moved.join(STATE_FILE);
+        let copy = moved.join(STATE_COPY);
         std::fs::write(&state, br#"{"schema_version": 2, "state": "none"}"#).unwrap();
         let e = st.load().unwrap_err();
         assert!(matches!(e, UpdateError::Newer { version: 2, .. }), "{e}");
+        // Damaged or gone, with a good copy: the copy's state.
+        for damaged in [
+            &b"{\"schema_version\": 1, \"state\": \"sideways\"}"[..],
+            b"{\"schema_ver",
+        ] {
+            std::fs::write(&state, damaged).unwrap();
+            assert_eq!(st.load().unwrap(), State::None);
+        }
+        std::fs::remove_file(&state).unwrap();
+        assert_eq!(st.load().unwrap(), State::None);
+        // Both damaged: the state file's error; both gone: no store.
         std::fs::write(&state, b"{\"schema_version\": 1, \"state\": \"sideways\"}").unwrap();
+        std::fs::write(&copy, b"{\"schema_ver").unwrap();
         let e = st.load().unwrap_err();
         assert!(matches!(e, UpdateError::Corrupt { .. }), "{e}");
         assert!(e.to_string().contains("sideways"), "{e}");
-        std::fs::write(&state, b"{\"schema_ver").unwrap();
-        assert!(matches!(
-            st.load().unwrap_err(),
-            UpdateError::Corrupt { .. }
-        ));
         std::fs::remove_file(&state).unwrap();
+        std::fs::remove_file(&copy).unwrap();
         let e = st.load().unwrap_err();
         assert!(matches!(e, UpdateError::NoState { .. }), "{e}");
         assert!(e.to_string().contains("nothing was changed"));
+    }
+
+    /// Any one byte of the state file flipped, and the file cut anywhere: the state
+    /// read is the one saved (from the copy where the file is damaged), never a
+    /// state the damage made up (the check finds a change that still parses).
+    #[test]
+    fn any_damage_to_the_state_file_reads_the_state_saved() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("store");
+        let st = Store::init(&path).unwrap();
+        let saved = State::Installed {
+            update: update("b2"),
+            boot_attempts: 1,
+        };
+        st.save(&saved).unwrap();
+        let good = std::fs::read(path.join(STATE_FILE)).unwrap();
+        assert_eq!(std::fs::read(path.join(STATE_COPY)).unwrap(), good);
+        let damaged = |bytes: &[u8], what: String| {
+            std::fs::write(path.join(STATE_FILE), bytes).unwrap();
+            assert_eq!(st.load().unwrap(), saved, "{what}");
+            // Without the copy the damage is refused, never read as another state.
+            let copy = std::fs::read(path.join(STATE_COPY)).unwrap();
+            std::fs::remove_file(path.join(STATE_COPY)).unwrap();
+            match st.load() {
+                Ok(s) => assert_eq!(s, saved, "{what}: read without the copy"),
+                Err(e) => assert!(matches!(e, UpdateError::Corrupt { .. }), "{what}: {e}"),
+            }
+            std::fs::write(path.join(STATE_COPY), copy).unwrap();
+        };
+        for at in 0..good.len() {
+            for bit in [0x01u8, 0x20] {
+                let mut b = good.clone();
+                b[at] ^= bit;
+                damaged(&b, format!("byte {at} ^ {bit:#x}"));
+            }
+        }
+        for len in 0..good.len() - 1 {
+            damaged(&good[..len], format!("cut at {len}"));
+        }
     }
 
     #[test]

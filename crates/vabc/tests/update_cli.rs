@@ -143,7 +143,7 @@ impl Device {
             e.contains("not the partition the bundle was made for"),
             "{e}"
         );
-        assert_eq!(self.store_files(), ["state"]);
+        assert_eq!(self.store_files(), ["state", "state.copy"]);
     }
 
     fn install(&self) {
@@ -292,7 +292,7 @@ impl Device {
         // The version a merge leaves as the floor of the next install stays.
         let files = self.store_files();
         assert!(
-            files == ["state"] || files == ["state", "version"],
+            files == ["state", "state.copy"] || files == ["state", "state.copy", "version"],
             "{files:?}"
         );
         assert_eq!(sha256_file(&self.base), sha);
@@ -381,6 +381,18 @@ fn keypair(dir: &Path, name: &str) -> (PathBuf, PathBuf) {
     (key, public)
 }
 
+/// Makes `text` the store's state as someone who can write the data partition
+/// would: the state file and its copy, without the check (which such a writer
+/// computes as easily; it finds damage, not attacks).
+fn plant_state(store: &Path, text: &str) {
+    let mut v = json_text(text);
+    v.as_object_mut().unwrap().remove("check");
+    let planted = serde_json::to_string_pretty(&v).unwrap();
+    for f in ["state", "state.copy"] {
+        std::fs::write(store.join(f), &planted).unwrap();
+    }
+}
+
 fn json_text(t: &str) -> serde_json::Value {
     serde_json::from_str(t).unwrap()
 }
@@ -398,6 +410,7 @@ fn an_update_boots_from_its_cow_merges_once_marked_good_and_leaves_a_clean_store
         d.store_files(),
         [
             "state",
+            "state.copy",
             "system.cow",
             "system.cow.manifest",
             "system.verity",
@@ -470,7 +483,7 @@ fn an_update_boots_from_its_cow_merges_once_marked_good_and_leaves_a_clean_store
     // the floor of the next install.
     d.power_off();
     d.assert_booted_base(&d.boot(), &d.new_sha);
-    assert_eq!(d.store_files(), ["state", "version"]);
+    assert_eq!(d.store_files(), ["state", "state.copy", "version"]);
 }
 
 #[test]
@@ -501,7 +514,7 @@ fn bad_input_changes_nothing_on_the_device() {
     };
     let unchanged = |what: &str| {
         assert_eq!(d.state()["state"], "none", "{what}");
-        assert_eq!(d.store_files(), ["state"], "{what}");
+        assert_eq!(d.store_files(), ["state", "state.copy"], "{what}");
         assert_eq!(sha256_file(&d.base), d.old_sha, "{what}");
     };
 
@@ -552,9 +565,11 @@ fn bad_input_changes_nothing_on_the_device() {
     assert_eq!(c, Some(1), "{e}");
     assert!(e.contains("bytes free"), "{e}");
 
-    // A missing state file, and one from a newer vabc: every command refuses.
+    // A missing state file (and its copy), and one from a newer vabc: every command
+    // refuses.
     let state = d.store.join("state");
     std::fs::remove_file(&state).unwrap();
+    std::fs::remove_file(d.store.join("state.copy")).unwrap();
     let (c, e) = code(&d.install_args(&d.bundle));
     assert_eq!(c, Some(1));
     assert!(e.contains("no state file"), "{e}");
@@ -627,7 +642,7 @@ fn an_install_killed_at_random_points_boots_the_old_system_and_resumes() {
         if round % 2 == 1 && st == "installing" {
             // Rolled back instead: nothing the interrupted install wrote is left.
             ok(&["update", "rollback", "--store", s(&d.store)]);
-            assert_eq!(d.store_files(), ["state"], "round {round}");
+            assert_eq!(d.store_files(), ["state", "state.copy"], "round {round}");
             continue;
         }
         // The power goes now: the boot runs the old system.
@@ -646,7 +661,7 @@ fn an_install_killed_at_random_points_boots_the_old_system_and_resumes() {
         assert_eq!(sha256_file(&device_of(&b)), d.new_sha, "round {round}");
         d.power_off();
         ok(&["update", "rollback", "--store", s(&d.store)]);
-        assert_eq!(d.store_files(), ["state"]);
+        assert_eq!(d.store_files(), ["state", "state.copy"]);
     }
 }
 
@@ -883,7 +898,7 @@ fn a_state_file_cannot_steer_file_operations() {
         ),
         ("\"system.verity\"", "\"../victim\"".to_string()),
     ] {
-        std::fs::write(&state_path, good.replacen(field, &evil, 1)).unwrap();
+        plant_state(&d.store, &good.replacen(field, &evil, 1));
         for sub in ["rollback", "status", "boot"] {
             let o = run_vabc(&["update", sub, "--store", s(&d.store)]);
             let e = String::from_utf8_lossy(&o.stderr);
@@ -895,12 +910,12 @@ fn a_state_file_cannot_steer_file_operations() {
         }
         assert_eq!(std::fs::read(&victim).unwrap(), b"keep");
     }
-    std::fs::write(&state_path, &good).unwrap();
+    plant_state(&d.store, &good);
     // A planted link where the state's temporary file goes is not written through.
     std::os::unix::fs::symlink(&victim, d.store.join(".state.tmp")).unwrap();
     ok(&["update", "rollback", "--store", s(&d.store)]);
     assert_eq!(std::fs::read(&victim).unwrap(), b"keep");
-    assert_eq!(d.store_files(), ["state"]);
+    assert_eq!(d.store_files(), ["state", "state.copy"]);
     // A store folder others may write is refused before anything is read.
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(&d.store, std::fs::Permissions::from_mode(0o757)).unwrap();
@@ -968,8 +983,7 @@ fn an_update_that_does_not_go_forward_is_refused() {
     // A resumed install with another base is refused, naming the one it began with.
     let state_path = d.store.join("state");
     let st = std::fs::read_to_string(&state_path).unwrap();
-    let begun = st.replace("\"installed\"", "\"installing\"");
-    std::fs::write(&state_path, begun).unwrap();
+    plant_state(&d.store, &st.replace("\"installed\"", "\"installing\""));
     let copy = d.dir.path().join("copy.img");
     std::fs::copy(&d.base, &copy).unwrap();
     let mut args = d.install_args(&v11);
@@ -1128,7 +1142,7 @@ fn a_bundle_without_verity_is_no_device_update() {
     let e = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(3), "{e}");
     assert!(e.contains("--verity"), "{e}");
-    assert_eq!(d.store_files(), ["state"]);
+    assert_eq!(d.store_files(), ["state", "state.copy"]);
 }
 
 #[test]
@@ -1186,6 +1200,16 @@ fn the_boot_hook_never_mounts_a_half_merged_base() {
     assert_eq!(o.status.code(), Some(4), "{e}");
     assert!(o.stdout.is_empty(), "{e}");
     assert!(e.contains("may be half merged"), "{e}");
+    // The state file gone: its copy says merging, so still no base.
+    std::fs::remove_file(d.store.join("state")).unwrap();
+    let o = hook_run("/dev/null", mnt);
+    assert_eq!(
+        o.status.code(),
+        Some(4),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(o.stdout.is_empty());
     // A store partition that cannot be mounted says nothing of the state: no base.
     let elsewhere = d.dir.path().join("not-mounted");
     let o = hook_run("/dev/vabc-no-such-device", &elsewhere);
@@ -1213,4 +1237,462 @@ fn a_relative_base_is_stored_as_the_absolute_path_it_names() {
     );
     let b = d.boot();
     assert_eq!(sha256_file(&device_of(&b)), d.new_sha);
+}
+
+/// A data partition that can fill up: a 24 MiB ext4 file system (no blocks reserved
+/// for root, so that root fills it too) on a loop device, mounted; the store in it.
+/// Unmounted and detached on drop (declare it before the [`Device`] that uses it, so
+/// that the daemon stops first).
+struct DataPartition {
+    dir: tempfile::TempDir,
+    dev: String,
+}
+
+impl DataPartition {
+    fn new() -> DataPartition {
+        let dir = tempfile::tempdir().unwrap();
+        let img = dir.path().join("data.img");
+        let st = Command::new("mkfs.ext4")
+            .args(["-q", "-F", "-m", "0", "-b", "4096", s(&img), "24M"])
+            .status()
+            .unwrap();
+        assert!(st.success(), "mkfs.ext4");
+        let out = Command::new("losetup")
+            .args(["-f", "--show", s(&img)])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "losetup (the tests run as root)");
+        let dev = String::from_utf8(out.stdout).unwrap().trim().to_string();
+        let mnt = dir.path().join("mnt");
+        std::fs::create_dir(&mnt).unwrap();
+        let st = Command::new("mount")
+            .args([&dev, s(&mnt)])
+            .status()
+            .unwrap();
+        assert!(st.success(), "mount {dev}");
+        DataPartition { dir, dev }
+    }
+
+    fn mnt(&self) -> PathBuf {
+        self.dir.path().join("mnt")
+    }
+
+    /// A device whose store is on this partition.
+    fn device(&self) -> Device {
+        let mut d = Device::new();
+        d.store = self.mnt().join("store");
+        ok(&["update", "init", "--store", s(&d.store)]);
+        d
+    }
+
+    /// Something else on the device fills the partition (its logs, say): written
+    /// until the file system says it is full.
+    fn fill(&self) {
+        use std::io::Write;
+        let mut f = std::fs::File::create(self.mnt().join("filler")).unwrap();
+        for chunk in [1 << 20, 4096] {
+            let buf = vec![0x5au8; chunk];
+            while f.write_all(&buf).and_then(|()| f.sync_data()).is_ok() {}
+        }
+    }
+
+    fn free(&self) {
+        std::fs::remove_file(self.mnt().join("filler")).unwrap();
+    }
+}
+
+impl Drop for DataPartition {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(self.mnt()).status();
+        let _ = Command::new("losetup").args(["-d", &self.dev]).status();
+    }
+}
+
+impl Device {
+    /// The update's merge progress as `status` reports it: done or not.
+    fn merge_done(&self) -> bool {
+        self.state()["partitions"][0]["merge"]["done"] == true
+    }
+
+    /// Waits (up to 60 s) for `what` of the device to hold.
+    fn wait_for(&self, what: &str, cond: impl Fn(&Device) -> bool) {
+        let t = Instant::now();
+        while !cond(self) {
+            assert!(
+                t.elapsed() < Duration::from_secs(60),
+                "{what}: not in 60 s; status {}; the daemon's log: {}",
+                self.state(),
+                std::fs::read_to_string(self.run.join("system.log")).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Names in the store that vabc gives temporary files: none may be left.
+    fn assert_no_temporary_files(&self, what: &str) {
+        let files = self.store_files();
+        assert!(
+            files.iter().all(|f| !f.starts_with('.')),
+            "{what}: {files:?}"
+        );
+    }
+
+    /// The serving daemon's pid, from its ready report.
+    fn daemon_pid(&self) -> u32 {
+        let text = std::fs::read_to_string(self.run.join("system.ready")).unwrap();
+        json_text(&text)["pid"].as_u64().unwrap() as u32
+    }
+}
+
+/// A milliseconds count drawn from `0..=max`: a random moment of something that lasts
+/// `max`.
+fn moment(rng: &mut fastrand::Rng, max: Duration) -> Duration {
+    Duration::from_millis(rng.u64(0..=max.as_millis() as u64))
+}
+
+/// Damages `file` as a flash error or a file system repaired after a crash might:
+/// bytes flipped, the file cut short, a range zeroed, or the file gone. Says which.
+fn damage(file: &Path, rng: &mut fastrand::Rng) -> String {
+    let mut b = std::fs::read(file).unwrap();
+    let what = match rng.u8(0..4) {
+        0 => {
+            let n = rng.usize(1..4);
+            for _ in 0..n {
+                let at = rng.usize(..b.len());
+                b[at] ^= 1 << rng.u8(0..8);
+            }
+            format!("{n} bytes flipped")
+        }
+        1 => {
+            b.truncate(rng.usize(..b.len() - 1));
+            format!("cut to {} bytes", b.len())
+        }
+        2 => {
+            let at = rng.usize(..b.len());
+            let end = (at + rng.usize(1..64)).min(b.len());
+            b[at..end].fill(0);
+            format!("bytes {at}..{end} zeroed")
+        }
+        _ => {
+            std::fs::remove_file(file).unwrap();
+            return "removed".into();
+        }
+    };
+    std::fs::write(file, b).unwrap();
+    what
+}
+
+#[test]
+fn a_damaged_state_file_boots_what_its_copy_says() {
+    let d = Device::new();
+    let mut rng = fastrand::Rng::with_seed(21);
+    let state_file = d.store.join("state");
+    d.install();
+    // Installed: two boots, each counting its attempt from a damaged state file; the
+    // second marks it good.
+    for attempt in 1..=2 {
+        let what = damage(&state_file, &mut rng);
+        let b = d.boot();
+        assert_eq!(b["state"], "installed", "{what}: {b}");
+        assert_eq!(b["boot_attempts"], attempt, "{what}");
+        assert_eq!(sha256_file(&device_of(&b)), d.new_sha, "{what}");
+        // The count is saved: the state file is whole again.
+        assert_eq!(
+            std::fs::read(&state_file).unwrap(),
+            std::fs::read(d.store.join("state.copy")).unwrap()
+        );
+        if attempt == 2 {
+            // The power goes before the daemon has seen it.
+            d.power_off();
+            assert!(d.mark_good().status.success());
+        }
+        d.power_off();
+    }
+    // Merging: the boot serves it and the merge resumes.
+    let what = damage(&state_file, &mut rng);
+    let b = d.boot();
+    assert_eq!(b["state"], "merging", "{what}: {b}");
+    assert_eq!(sha256_file(&device_of(&b)), d.new_sha, "{what}");
+    d.wait_for("the merge", |d| d.state()["state"] == "merged");
+    d.power_off();
+    assert_eq!(sha256_file(&d.base), d.new_sha);
+    // Merged: the boot cleans up; none: the boot runs the base.
+    for _ in 0..2 {
+        let what = damage(&state_file, &mut rng);
+        let b = d.boot();
+        assert!(state_file.exists(), "{what}: repaired");
+        d.assert_booted_base(&b, &d.new_sha);
+    }
+    // Both damaged: nothing can be known, so nothing boots, and nothing changes.
+    let copy = d.store.join("state.copy");
+    std::fs::write(
+        &state_file,
+        b"{\"schema_version\": 1, \"state\": \"sideways\"}",
+    )
+    .unwrap();
+    std::fs::write(&copy, b"{\"schema_ver").unwrap();
+    let files = d.store_files();
+    let o = run_vabc(&[
+        "update",
+        "boot",
+        "--store",
+        s(&d.store),
+        "-b",
+        &d.base_arg(),
+        "--frontend",
+        "fuse",
+        "--run-dir",
+        s(&d.run),
+        "--key",
+        s(&d.public),
+    ]);
+    let e = failed(&o);
+    assert!(e.contains("damaged") && e.contains("sideways"), "{e}");
+    assert!(o.stdout.is_empty());
+    assert_eq!(d.store_files(), files);
+    assert_eq!(sha256_file(&d.base), d.new_sha);
+}
+
+#[test]
+fn a_data_partition_that_fills_up_during_an_install_boots_the_old_system_and_the_install_resumes() {
+    let part = DataPartition::new();
+    let d = part.device();
+    let args = d.install_args(&d.bundle);
+    // How long an install takes here: the moments are drawn from it.
+    let t = Instant::now();
+    d.install();
+    let took = t.elapsed();
+    ok(&["update", "rollback", "--store", s(&d.store)]);
+    let mut rng = fastrand::Rng::with_seed(31);
+    let (mut landed, mut tries) = (0, 0);
+    while landed < 5 {
+        tries += 1;
+        assert!(
+            tries <= 40,
+            "only {landed} of 40 fills landed during an install"
+        );
+        let child = Command::new(vabc())
+            .args(&args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(moment(&mut rng, took));
+        part.fill();
+        let o = child.wait_with_output().unwrap();
+        if o.status.success() {
+            // It finished first: start over.
+            part.free();
+            ok(&["update", "rollback", "--store", s(&d.store)]);
+            continue;
+        }
+        landed += 1;
+        let e = failed(&o);
+        assert!(
+            e.contains("No space left") || e.contains("bytes free"),
+            "{e}"
+        );
+        d.assert_no_temporary_files(&e);
+        let st = d.state()["state"].as_str().unwrap().to_string();
+        assert!(["none", "installing"].contains(&st.as_str()), "{st}: {e}");
+        // The next boot, the partition still full: the old system.
+        let b = d.boot();
+        assert_eq!(b["partitions"][0]["served"], false, "{b}");
+        assert_eq!(device_of(&b), d.base);
+        assert_eq!(sha256_file(&d.base), d.old_sha);
+        // The old system frees space and installs again: it completes.
+        part.free();
+        d.install();
+        let b = d.boot();
+        assert_eq!(sha256_file(&device_of(&b)), d.new_sha, "{e}");
+        d.power_off();
+        ok(&["update", "rollback", "--store", s(&d.store)]);
+    }
+}
+
+#[test]
+fn a_data_partition_that_fills_up_during_the_merge_never_stops_the_device() {
+    let mut rng = fastrand::Rng::with_seed(41);
+    let mut took = Duration::ZERO;
+    for round in 0..6 {
+        let part = DataPartition::new();
+        let d = part.device();
+        d.install();
+        let b = d.boot();
+        let dev = device_of(&b);
+        if round == 0 {
+            // A full partition at mark-good: refused, nothing changed; then the
+            // merge's length, which the moments of the next rounds are drawn from.
+            part.fill();
+            let e = failed(&d.mark_good());
+            assert!(e.contains("No space left"), "{e}");
+            assert_eq!(d.state()["state"], "installed");
+            part.free();
+            let t = Instant::now();
+            assert!(d.mark_good().status.success());
+            d.wait_for("the merge", |d| d.state()["state"] == "merged");
+            took = t.elapsed();
+            continue;
+        }
+        assert!(d.mark_good().status.success());
+        std::thread::sleep(moment(&mut rng, took));
+        part.fill();
+        d.wait_for("the merge", Device::merge_done);
+        assert_eq!(
+            sha256_file(&dev),
+            d.new_sha,
+            "round {round}: served while full"
+        );
+        if round % 2 == 1 {
+            // Space freed while the new system runs: the daemon records the merge.
+            part.free();
+            d.wait_for("the record of the merge", |d| {
+                d.state()["state"] == "merged"
+            });
+            d.power_off();
+        } else {
+            // The power goes while the partition is full; the next boot too finds it
+            // full, serves (the merge complete, its record failing) or cleans up
+            // (the record made before the fill): it runs version 2 either way.
+            d.power_off();
+            let b = d.boot();
+            assert_eq!(sha256_file(&device_of(&b)), d.new_sha, "round {round}: {b}");
+            d.power_off();
+            part.free();
+        }
+        assert_eq!(sha256_file(&d.base), d.new_sha, "round {round}");
+        // The next boot (space free) ends the update.
+        let b = d.boot();
+        if b["state"] == "merging" {
+            d.wait_for("the record of the merge", |d| {
+                d.state()["state"] == "merged"
+            });
+            d.power_off();
+            d.boot();
+        }
+        assert_eq!(d.state()["state"], "none", "round {round}");
+        assert_eq!(sha256_file(&d.base), d.new_sha, "round {round}");
+        d.assert_no_temporary_files("after the merge");
+    }
+}
+
+#[test]
+fn an_install_while_the_merge_runs_is_refused_and_the_merge_ends() {
+    let d = Device::new();
+    let other = d.bundle_with("v3.vabc", &["--release-version", "3"], &[]);
+    let mut rng = fastrand::Rng::with_seed(51);
+    d.install();
+    let dev = device_of(&d.boot());
+    assert!(d.mark_good().status.success());
+    // The daemon starts the merge within a second of mark-good: five installs over
+    // that second and the merge.
+    let mut merging = 0;
+    for _ in 0..5 {
+        std::thread::sleep(moment(&mut rng, Duration::from_millis(300)));
+        let st = d.state()["state"].as_str().unwrap().to_string();
+        merging += usize::from(st == "merging");
+        for bundle in [&d.bundle, &other] {
+            let args = d.install_args(bundle);
+            let o = run_vabc(&args.iter().map(String::as_str).collect::<Vec<_>>());
+            let e = String::from_utf8_lossy(&o.stderr);
+            assert!(!o.status.success(), "{st}: {e}");
+            assert!(e.contains("merg"), "{st}: {e}");
+        }
+    }
+    assert!(merging >= 1, "no install was tried while merging");
+    d.wait_for("the merge", |d| d.state()["state"] == "merged");
+    assert_eq!(sha256_file(&dev), d.new_sha);
+    assert_eq!(sha256_file(&d.base), d.new_sha);
+    d.power_off();
+    d.assert_booted_base(&d.boot(), &d.new_sha);
+}
+
+/// Reads `dev` whole, over and over, until `stop`, through one descriptor (as a
+/// mounted file system holds its device: reopening the path could reach another
+/// device that took the number of a loop device released meanwhile). Every 64 KiB
+/// read must be the new image's bytes there or fail; returns (reads that succeeded,
+/// reads that failed).
+fn read_until(dev: &Path, new: &[u8], stop: &std::sync::atomic::AtomicBool) -> (usize, usize) {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::File::open(dev).unwrap();
+    let (mut good, mut failed) = (0, 0);
+    let mut buf = vec![0u8; 64 << 10];
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        let mut at = 0;
+        while at < new.len() && !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            let n = buf.len().min(new.len() - at);
+            match f.read_exact_at(&mut buf[..n], at as u64) {
+                Ok(()) => {
+                    if buf[..n] != new[at..at + n] {
+                        let first = (0..n).find(|&i| buf[i] != new[at + i]).unwrap_or(0);
+                        panic!(
+                            "wrong data at offset {} (read of {n} at {at}, {} bytes differ)",
+                            at + first,
+                            (0..n).filter(|&i| buf[i] != new[at + i]).count()
+                        );
+                    }
+                    good += 1;
+                }
+                Err(_) => failed += 1,
+            }
+            at += n;
+        }
+    }
+    (good, failed)
+}
+
+#[test]
+fn a_serving_daemon_killed_gives_io_errors_never_wrong_data_and_the_next_boot_recovers() {
+    let new = std::fs::read(corpus_image("tiny", "new", "ext4")).unwrap();
+    let mut rng = fastrand::Rng::with_seed(61);
+    for round in 0..5 {
+        let d = Device::new();
+        d.install();
+        let dev = device_of(&d.boot());
+        // Killed while the new system runs unmarked (rounds 0, 2, 4) or merging.
+        if round % 2 == 1 {
+            assert!(d.mark_good().status.success());
+        }
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let (good, bad) = std::thread::scope(|sc| {
+            let reader = sc.spawn(|| read_until(&dev, &new, &stop));
+            std::thread::sleep(
+                Duration::from_millis(100) + moment(&mut rng, Duration::from_millis(1500)),
+            );
+            let pid = d.daemon_pid();
+            // SAFETY: kill(2) of the daemon's pid, read from its ready report.
+            assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGKILL) }, 0);
+            let t = Instant::now();
+            while Path::new(&format!("/proc/{pid}")).exists() {
+                assert!(t.elapsed() < Duration::from_secs(10), "{pid} not gone");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            std::thread::sleep(Duration::from_millis(200));
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            reader.join().unwrap()
+        });
+        assert!(good > 0, "round {round}: nothing was read before the kill");
+        // I/O errors after the kill are allowed; wrong data never (read_until).
+        // The next boot: the kernel's state of this one is gone (what `vabc cleanup`
+        // removes here), the store as the kill left it.
+        let o = Command::new(vabc())
+            .args(["cleanup", "--json"])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let b = d.boot();
+        assert_eq!(sha256_file(&device_of(&b)), d.new_sha, "round {round}: {b}");
+        if round % 2 == 1 {
+            // Resumed, or complete before the kill (and then cleaned up by this boot).
+            d.wait_for("the merge", |d| d.state()["state"] != "merging");
+        } else {
+            assert_eq!(b["state"], "installed");
+            assert_eq!(sha256_file(&d.base), d.old_sha, "round {round}");
+            assert!(d.mark_good().status.success());
+            d.wait_for("the merge", |d| d.state()["state"] == "merged");
+        }
+        d.power_off();
+        d.assert_booted_base(&d.boot(), &d.new_sha);
+        assert!(bad > 0 || good > 0);
+    }
 }
