@@ -86,7 +86,9 @@ VABC=${CARGO_TARGET_DIR:-target}/debug/vabc step "VM: the device scenario" tests
 VABC=${CARGO_TARGET_DIR:-target}/debug/vabc step "VM: a real OS" tests/vm/system.sh
 # Crash consistency write by write: an install and a merge of two partitions logged
 # by dm-log-writes in one boot, then 24 of the disk states a power cut could leave at
-# the flush points and 24 in between, each booted and carried to the end here
-# (the full run: tests/vm/crash.sh --random 1000, bench/results/crash.md).
+# the flush points and 24 in between, each booted and carried to the end here; the
+# same boot then kills the serving daemon twice while the new system reads it (SIGKILL,
+# then the OOM killer), each next boot serving the update again (the full run:
+# tests/vm/crash.sh --random 1000 --kills 10, bench/results/crash.md).
 VABC=${CARGO_TARGET_DIR:-target}/debug/vabc VABC_CRASHREPLAY=${CARGO_TARGET_DIR:-target}/debug/vabc-crashreplay \
-	step "VM: crash states" tests/vm/crash.sh --points 24 --random 24
+	step "VM: crash states" tests/vm/crash.sh --points 24 --random 24 --kills 2

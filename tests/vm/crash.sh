@@ -5,6 +5,7 @@
 # left is made from the log and recovered:
 #
 #   tests/vm/crash.sh [--points N|all] [--random N] [--seed S] [--log DIR] [--jobs N]
+#                     [--kills N]
 #
 # States (vabc-crashreplay plan): the clean cuts at the durable points (after each
 # flush and FUA write: --points all, or N of them evenly spread) and --random cuts in
@@ -17,6 +18,10 @@
 # device would: an interrupted install run again, mark-good, the merge (resumed
 # where it was), the boot after it: both bases must then be version 2 exactly and
 # the store clean.
+# --kills N: after the log ends, the recording boot also kills the serving daemon N
+# times while the new system reads it, by SIGKILL and by the OOM killer in turn
+# (guest-crash.sh says how); reads must fail or be right, and each next boot serve
+# the update again.
 # --log DIR keeps (or reuses) the recorded run there: the guest boot is skipped when
 # DIR holds one. --jobs N checks N states at a time (default: one per CPU), each
 # worker in a mount namespace of its own where the device nodes name its own loop
@@ -26,7 +31,7 @@
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
-POINTS=all RANDOM_STATES=0 SEED=1 LOGDIR= JOBS=$(nproc) WORKER=
+POINTS=all RANDOM_STATES=0 SEED=1 LOGDIR= JOBS=$(nproc) WORKER= KILLS=0
 while (($#)); do
 	case $1 in
 	--jobs) JOBS=$2; shift 2 ;;
@@ -35,7 +40,8 @@ while (($#)); do
 	--random) RANDOM_STATES=$2; shift 2 ;;
 	--seed) SEED=$2; shift 2 ;;
 	--log) LOGDIR=$2; shift 2 ;;
-	*) sed -n '2,25p' "$0" >&2; exit 2 ;;
+	--kills) KILLS=$2; shift 2 ;;
+	*) sed -n '2,30p' "$0" >&2; exit 2 ;;
 	esac
 done
 VABC=$(realpath "${VABC:-$ROOT/target/debug/vabc}")
@@ -281,7 +287,7 @@ else
 	t0=$SECONDS
 	"$HERE/run.sh" --smp 1 --timeout 900 --disk "$WORK/disk.img,cache=unsafe" \
 		--disk "$LOG,cache=unsafe" --share "$WORK:rw" -- \
-		bash "$HERE/guest-crash.sh" "$WORK/bin/vabc" "$WORK" >"$WORK/guest.log" 2>&1 ||
+		bash "$HERE/guest-crash.sh" "$WORK/bin/vabc" "$WORK" "$KILLS" >"$WORK/guest.log" 2>&1 ||
 		{ grep -E 'crash-guest|vabc|Oops|panic' "$WORK/guest.log" | tail -30 >&2; say "FAIL: the recorded run failed"; exit 1; }
 	grep 'crash-guest:' "$WORK/guest.log" | sed 's/^/    /' >&2
 	say "recorded in $((SECONDS - t0)) s"
@@ -321,11 +327,13 @@ for ((i = 0; i < JOBS; i++)); do
 	pids+=($!)
 done
 for p in "${pids[@]}"; do wait "$p" || say "a worker failed (exit $?)"; done
-declare -A N OK V1 V2 V3
+declare -A N OK V1 V2 V3 RND
 FAILS=0 CHECKED=0
 while IFS=$'\t' read -r id phase result first why; do
 	CHECKED=$((CHECKED + 1))
 	N[$phase]=$((${N[$phase]:-0} + 1))
+	# Random cuts (ids r...) as against the durable points (p...).
+	[[ $id == r* ]] && RND[$phase]=$((${RND[$phase]:-0} + 1))
 	if [ "$result" = ok ]; then
 		OK[$phase]=$((${OK[$phase]:-0} + 1))
 		case $first in
@@ -341,11 +349,11 @@ done < <(cat "$WORK"/results.* 2>/dev/null)
 PLANNED=$(wc -l <"$WORK/plan")
 say "checked $CHECKED states in $((SECONDS - t0)) s ($JOBS at a time)"
 ((CHECKED == PLANNED && PLANNED > 0)) || { say "FAIL: $PLANNED states planned, $CHECKED checked"; exit 1; }
-printf '%-18s %7s %7s %9s %9s %9s\n' phase states ok "boots v1" "boots v2" "boots v3"
+printf '%-18s %7s %7s %7s %9s %9s %9s\n' phase states random ok "boots v1" "boots v2" "boots v3"
 order=(- install boot mark-good merge merged cleanup rb-install rb-boot rb-rollback rb-cleanup end dm-log-writes-end)
 for key in "${order[@]}" "${!N[@]}"; do
 	[ -n "${N[$key]:-}" ] || continue
-	printf '%-18s %7d %7d %9d %9d %9d\n' "$key" "${N[$key]}" "${OK[$key]:-0}" "${V1[$key]:-0}" "${V2[$key]:-0}" "${V3[$key]:-0}"
+	printf '%-18s %7d %7d %7d %9d %9d %9d\n' "$key" "${N[$key]}" "${RND[$key]:-0}" "${OK[$key]:-0}" "${V1[$key]:-0}" "${V2[$key]:-0}" "${V3[$key]:-0}"
 	unset "N[$key]"
 done
 if ((FAILS)); then

@@ -236,19 +236,27 @@ for FS in $FSES; do
 		cp "$WORK/$FS.cow" $T/merge.cow
 		cp "$WORK/$FS.cow.manifest" $T/merge.cow.manifest
 		rm -f $T/merged
-		# The base under dm-delay (writes and flushes 250 ms late, reads at once), so
-		# that the merge takes long enough for many reads to happen while it runs. At
-		# 100 ms the merge took 1-3 s, and once (FUSE, ext4) a stall of the emulated
-		# guest left room for only 15 reads (200 the next two times).
+		# The base under dm-delay, reads at once and writes held back (an hour late)
+		# until 20 reads have checked the served device while the merge runs; then
+		# writes and flushes go 100 ms late, and the reads go on until the merge
+		# reports its end. The merge cannot end before those reads (before, with a
+		# fixed delay alone, a stall of the emulated guest once left room for only 15).
 		SLOW_LOOP=$(losetup --direct-io=on -f --show $T/base.img)
-		dmsetup create vabc-slow --table \
-			"0 $(blockdev --getsz "$SLOW_LOOP") delay $SLOW_LOOP 0 0 $SLOW_LOOP 0 250"
+		SECTORS=$(blockdev --getsz "$SLOW_LOOP")
+		dmsetup create vabc-slow --table "0 $SECTORS delay $SLOW_LOOP 0 0 $SLOW_LOOP 0 3600000"
+		rm -f $T/reads-done
 		if serve_up "$FRONT" /dev/mapper/vabc-slow $T/merge.cow --merge; then
 			# The stop file appears when the daemon reports the merge complete.
 			(while ! grep -q "merge complete" $T/serve.log; do
 				kill -0 $SERVE_PID 2>/dev/null || break; sleep 0.05; done; touch $T/merged) &
+			# The writes let go (a suspend submits those held) once the reads are in.
+			(while [ ! -e $T/reads-done ] && [ ! -e $T/merged ]; do sleep 0.05; done
+				dmsetup suspend vabc-slow &&
+				dmsetup load vabc-slow --table "0 $SECTORS delay $SLOW_LOOP 0 0 $SLOW_LOOP 0 100" &&
+				dmsetup resume vabc-slow || echo "could not let the merge's writes go") &
 			check "reads during the merge equal the new image" \
-				$CHECK until "$DEV" "$NEW" --stop-file $T/merged --timeout 300 --min-reads 20
+				$CHECK until "$DEV" "$NEW" --stop-file $T/merged --timeout 300 --min-reads 20 \
+				--reached-file $T/reads-done
 			grep -q "merge complete" $T/serve.log || { echo "merge did not complete"; cat $T/serve.log; }
 			drop_caches
 			check "after the merge: O_DIRECT sha256 equals the new image" direct_sha

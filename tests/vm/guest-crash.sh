@@ -18,9 +18,12 @@
 #   rb-cleanup   the next boot runs the base, version 2
 #   end
 # Each phase's start is a mark in the log (dm-log-writes' "mark" message).
-#   guest-crash.sh VABC WORK
+# After the log ends, with the partitions mapped on the disk directly (nothing of
+# it logged), the serving daemon is killed KILLS times while the new system reads
+# its partitions (below, "kills").
+#   guest-crash.sh VABC WORK [KILLS]
 set -uo pipefail
-VABC=$1 WORK=$2
+VABC=$1 WORK=$2 KILLS=${3:-0}
 # shellcheck disable=SC1091
 source "$WORK/layout.env" # SYS_BYTES VEN_BYTES DATA_BYTES V2_* V3_*
 say() { echo "crash-guest: $*"; }
@@ -139,4 +142,128 @@ say "after the rollback: state $(state); store: $(ls /data/vabc | tr '\n' ' ')"
 umount /data
 mark end
 dmsetup remove lw-data lw-vendor lw-system && dmsetup remove lw || die "remove the log"
+
+# --- Kills: the daemon that serves the system partition killed at a random moment of
+# the new system's reads, alternately by SIGKILL and by the kernel's OOM killer (a
+# memory cgroup's limit lowered under it; its oom_score_adj is raised from -1000
+# first, which otherwise keeps any OOM killer from choosing it). Version 2 installs
+# version 3; two boots of it are killed (attempts 1 and 2), the third serves it whole
+# (the kernel's state of a killed boot goes as a reboot takes it: the mappings
+# closed, the other daemon stopped, `vabc cleanup`), and it is rolled back to make
+# room for the next round. Reads that fail are allowed; a read that succeeds must be
+# version 3, and each killed boot must have read something whole before the kill.
+if ((KILLS > 0)); then
+	for p in system vendor data; do
+		case $p in
+		system) table="0 $sys linear /dev/vda 0" ;;
+		vendor) table="0 $ven linear /dev/vda $sys" ;;
+		data) table="0 $data linear /dev/vda $((sys + ven))" ;;
+		esac
+		dmsetup create k-$p --table "$table" || die "map $p"
+		rm -f /dev/vabc-crash/$p
+		read -r major minor < <(stat -L -c '%t %T' /dev/mapper/k-$p)
+		mknod /dev/vabc-crash/$p b $((0x$major)) $((0x$minor)) || die "node for $p"
+	done
+	mkdir -p /sys/fs/cgroup
+	mount -t cgroup2 none /sys/fs/cgroup && echo +memory >/sys/fs/cgroup/cgroup.subtree_control ||
+		die "a memory cgroup"
+	# Reads both served partitions whole until /tmp/stop appears, a line per read in
+	# /tmp/reads: ok, failed, or WRONG.
+	reader() { # REPORT
+		local p dev want
+		while [ ! -e /tmp/stop ]; do
+			for p in system vendor; do
+				[ -e /tmp/stop ] && break
+				dev=$(sed -n "/\"name\": \"$p\"/,/}/s/.*\"device\": \"\([^\"]*\)\".*/\1/p" "$1" | head -1)
+				want=V3_${p^^}
+				if dd if="$dev" of=/tmp/read.img bs=1M iflag=direct status=none 2>/dev/null; then
+					if [ "$(sha256sum </tmp/read.img | cut -d' ' -f1)" = "${!want}" ]; then
+						echo "ok $p" >>/tmp/reads
+					else
+						echo "WRONG $p" >>/tmp/reads
+					fi
+				else
+					echo "failed $p" >>/tmp/reads
+				fi
+			done
+		done
+	}
+	# A reboot after a kill: what the kernel held for the killed boot goes.
+	after_kill() {
+		local p r pid
+		for p in system vendor; do veritysetup close vabc-$p 2>/dev/null; done
+		for r in /run/vabc/*.ready; do
+			[ -e "$r" ] || continue
+			pid=$(sed -n 's/.*"pid": *\([0-9]*\).*/\1/p' "$r")
+			kill -TERM "$pid" 2>/dev/null
+			for _ in $(seq 300); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+		done
+		"$VABC" -q cleanup >/dev/null || die "cleanup after a kill"
+		umount /data || die "unmount the data partition"
+	}
+	n=0 round=0
+	while ((n < KILLS)); do
+		round=$((round + 1))
+		mount /dev/vabc-crash/data /data || die "mount the data partition"
+		"$VABC" -q update install --store /data/vabc /data/bundles/u3.vabc "${B[@]}" "${K[@]}" \
+			--max-boot-attempts 3 >/dev/null || die "kills: install version 3"
+		umount /data
+		for attempt in 1 2; do
+			((n < KILLS)) || break
+			n=$((n + 1))
+			how=$([ $((n % 2)) = 1 ] && echo SIGKILL || echo OOM)
+			mount /dev/vabc-crash/data /data || die "mount the data partition"
+			# For the OOM killer, the boot step starts the daemons in a memory cgroup of
+			# their own: a cgroup is charged for what is allocated in it, and what a
+			# process had before it moved stays charged where it was.
+			mkdir -p /sys/fs/cgroup/vabc-oom
+			(
+				[ "$how" = OOM ] && echo "$BASHPID" >/sys/fs/cgroup/vabc-oom/cgroup.procs
+				exec "$VABC" update boot --store /data/vabc "${B[@]}" "${K[@]}" --frontend ublk --json
+			) >/tmp/kb.json || die "kills: boot: $(cat /tmp/kb.json)"
+			rm -f /tmp/stop
+			: >/tmp/reads
+			reader /tmp/kb.json &
+			rpid=$!
+			# Something read whole first, then a random moment of up to 3 s.
+			for _ in $(seq 600); do grep -q '^ok' /tmp/reads 2>/dev/null && break; sleep 0.1; done
+			grep -q '^ok' /tmp/reads || die "kill $n: nothing read whole in 60 s: $(tr '\n' ' ' </tmp/reads)"
+			sleep "$((RANDOM % 3)).$((RANDOM % 10))"
+			pid=$(sed -n 's/.*"pid": *\([0-9]*\).*/\1/p' /run/vabc/system.ready)
+			before=$(grep -c . /tmp/reads)
+			if [ "$how" = SIGKILL ]; then
+				kill -KILL "$pid" || die "kill $pid"
+			else
+				# The limit far under what the daemons use: the OOM killer takes the one it
+				# may take (the vendor daemon keeps its -1000).
+				grep -qx "$pid" /sys/fs/cgroup/vabc-oom/cgroup.procs || die "kill $n: $pid is not in the cgroup"
+				echo 0 >/proc/$pid/oom_score_adj
+				echo 1M >/sys/fs/cgroup/vabc-oom/memory.max 2>/dev/null
+			fi
+			for _ in $(seq 300); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+			kill -0 "$pid" 2>/dev/null && die "kill $n ($how): daemon $pid still runs"
+			if [ "$how" = OOM ]; then
+				echo max >/sys/fs/cgroup/vabc-oom/memory.max
+				dmesg | grep -q "Killed process $pid " || die "kill $n: $pid did not die by the OOM killer"
+			fi
+			# Reads of the killed daemon's partition fail (the kernel aborts them once it
+			# sees the daemon gone); they neither hang nor return anything else.
+			for _ in $(seq 600); do grep -q '^failed system' /tmp/reads && break; sleep 0.1; done
+			grep -q '^failed system' /tmp/reads || die "kill $n ($how): no read failed in 60 s after the kill"
+			touch /tmp/stop
+			wait "$rpid"
+			grep -q WRONG /tmp/reads && die "kill $n ($how): a read returned something else than version 3: $(tr '\n' ' ' </tmp/reads)"
+			say "kill $n ($how, attempt $attempt): reads $(grep -c '^ok' /tmp/reads) whole, $(grep -c '^failed' /tmp/reads) failed ($before before the kill)"
+			after_kill
+		done
+		# The next boot serves version 3 again, whole.
+		mount /dev/vabc-crash/data /data || die "mount the data partition"
+		"$VABC" update boot --store /data/vabc "${B[@]}" "${K[@]}" --frontend ublk --json >/tmp/kb.json ||
+			die "kills: the boot after: $(cat /tmp/kb.json)"
+		served /tmp/kb.json 3
+		"$VABC" -q update rollback --store /data/vabc >/dev/null || die "kills: rollback"
+		shutdown
+	done
+	say "kills: $KILLS, every next boot served version 3"
+fi
 say "done"

@@ -5,9 +5,10 @@
       random O_DIRECT reads (4 KiB to 512 KiB, aligned) compared with IMAGE
   vmcheck.py readers DEV IMAGE [--procs P] [--reads N]
       P processes at once, half O_DIRECT and half buffered, random reads compared
-  vmcheck.py until DEV IMAGE --stop-file F [--timeout S] [--min-reads N]
+  vmcheck.py until DEV IMAGE --stop-file F [--timeout S] [--min-reads N] [--reached-file R]
       random O_DIRECT reads compared with IMAGE until F exists (e.g. while a merge
-      runs); prints how many reads ran, and fails if fewer than N did
+      runs); prints how many reads ran, and fails if fewer than N did; creates R
+      once N have (what holds the merge back can then let it go)
   vmcheck.py never-wrong DEV IMAGE --seconds S [--ready-file F --min-good N]
       random O_DIRECT reads for S seconds while the daemon may die: an I/O error is
       acceptable, different bytes are not; prints counts of good reads and errors.
@@ -113,6 +114,8 @@ def cmd_until(a):
         if e:
             sys.exit(f"{a.dev}: read failed: {e}")
         n += 1
+        if n == a.min_reads and a.reached_file:
+            open(a.reached_file, "w").close()
     if n < a.min_reads:
         sys.exit(f"until: only {n} reads before {a.stop_file} appeared (at least {a.min_reads} wanted)")
     print(f"until: {n} random O_DIRECT reads equal the image before {os.path.basename(a.stop_file)}")
@@ -161,6 +164,7 @@ def main():
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--seconds", type=float, default=5)
     p.add_argument("--min-reads", type=int, default=0)
+    p.add_argument("--reached-file")
     p.add_argument("--ready-file")
     p.add_argument("--min-good", type=int, default=20)
     a = p.parse_args()

@@ -15,9 +15,11 @@
 //! ```
 //!
 //! Each arrow is one durable step ([`Store::save`]: a temporary file written and
-//! fsynced, renamed over `state`, the folder fsynced), so after a power cut the file
-//! holds either the state before a step or the one after it, and every state has
-//! exactly one thing to do at the next boot ([`State::on_boot`]):
+//! fsynced, renamed over `state.copy`, then the same over `state`, the folder fsynced),
+//! so after a power cut the file holds either the state before a step or the one after
+//! it, and every state has exactly one thing to do at the next boot
+//! ([`State::on_boot`]). The file carries a check (its SHA-256), and a state file
+//! damaged or gone is read from its copy ([`Store::load`] says why that is safe):
 //!
 //! | state | the device boots | and then |
 //! |---|---|---|

@@ -163,21 +163,19 @@ impl Device {
 
     /// `boot` as the initramfs runs it; returns its JSON report.
     fn boot(&self) -> serde_json::Value {
-        json(&ok(&[
-            "update",
-            "boot",
-            "--store",
-            s(&self.store),
-            "-b",
-            &self.base_arg(),
-            "--frontend",
-            "fuse",
-            "--run-dir",
-            s(&self.run),
-            "--key",
-            s(&self.public),
-            "--json",
-        ]))
+        let o = self.boot_output(&["--json"]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        json(&o)
+    }
+
+    /// `boot` as the initramfs runs it, with `extra` options; whatever it did.
+    fn boot_output(&self, extra: &[&str]) -> std::process::Output {
+        let base = self.base_arg();
+        let mut args = vec!["update", "boot", "--store", s(&self.store), "-b", &base];
+        args.extend(["--frontend", "fuse", "--run-dir", s(&self.run)]);
+        args.extend(["--key", s(&self.public)]);
+        args.extend(extra);
+        run_vabc(&args)
     }
 
     /// `boot` with the key `key` and no base of its own configuration (`-b`).
@@ -792,20 +790,7 @@ fn a_cow_swapped_after_mark_good_is_not_merged_and_the_base_is_unchanged() {
     d.swap_cow();
     // The next boot must merge, cannot prove the COW: it mounts nothing (exit 4),
     // writes nothing.
-    let o = run_vabc(&[
-        "update",
-        "boot",
-        "--store",
-        s(&d.store),
-        "-b",
-        &d.base_arg(),
-        "--frontend",
-        "fuse",
-        "--run-dir",
-        s(&d.run),
-        "--key",
-        s(&d.public),
-    ]);
+    let o = d.boot_output(&[]);
     let e = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(4), "{e}");
     assert!(
@@ -1432,20 +1417,7 @@ fn a_damaged_state_file_boots_what_its_copy_says() {
     .unwrap();
     std::fs::write(&copy, b"{\"schema_ver").unwrap();
     let files = d.store_files();
-    let o = run_vabc(&[
-        "update",
-        "boot",
-        "--store",
-        s(&d.store),
-        "-b",
-        &d.base_arg(),
-        "--frontend",
-        "fuse",
-        "--run-dir",
-        s(&d.run),
-        "--key",
-        s(&d.public),
-    ]);
+    let o = d.boot_output(&[]);
     let e = failed(&o);
     assert!(e.contains("damaged") && e.contains("sideways"), "{e}");
     assert!(o.stdout.is_empty());
