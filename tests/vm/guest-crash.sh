@@ -237,9 +237,9 @@ if ((KILLS > 0)); then
 				# The limit far under what the daemons use: the OOM killer takes the one it
 				# may take (the vendor daemon keeps its -1000).
 				grep -qx "$pid" /sys/fs/cgroup/vabc-oom/cgroup.procs || die "kill $n: $pid is not in the cgroup"
-				# The OOM killer names the thread it chose, which may be any of the
-				# daemon's.
-				tids=$(ls /proc/$pid/task | paste -sd'|')
+				# The cgroup counts the OOM killer's kills in it (its log line names the
+				# thread it chose, which may be one io_uring started a moment ago).
+				ooms=$(sed -n 's/^oom_kill //p' /sys/fs/cgroup/vabc-oom/memory.events)
 				echo 0 >/proc/$pid/oom_score_adj
 				echo 1M >/sys/fs/cgroup/vabc-oom/memory.max 2>/dev/null
 			fi
@@ -250,7 +250,7 @@ if ((KILLS > 0)); then
 				# The OOM killer, or the daemon's own end when the kernel refused it
 				# memory without invoking it (an allocation that may fail): either way
 				# the daemon died of the memory limit, and what follows must hold.
-				if dmesg | grep -Eq "Killed process ($tids) "; then
+				if (($(sed -n 's/^oom_kill //p' /sys/fs/cgroup/vabc-oom/memory.events) > ooms)); then
 					how="OOM killer"
 					OOM_KILLED=$((${OOM_KILLED:-0} + 1))
 				else
