@@ -13,17 +13,21 @@
 //! * [`output`]: outputs written to a temporary name and renamed once complete, with
 //!   a registry of what an interrupt must remove.
 //! * [`progress`]: the [`Observer`] that long work reports to.
+//! * [`android`]: Android's own OTA payloads (`payload.bin`, an OTA zip, a URL)
+//!   verified and turned into partition images.
 //!
 //! Errors are one [`Error`] type; [`Error::is_mismatch`] tells a check that found the
 //! wrong data from a failure that kept the step from deciding.
 //!
 //! The crates below hold the formats and engines: `cow` (AOSP's COW format), `delta`
-//! (planning and writing COWs), `bundle` (the signed bundle), `manifest` (image
+//! (planning and writing COWs), `bundle` (the signed bundle), `payload` (Android's
+//! payload.bin), `manifest` (image
 //! identities), `verity` (dm-verity and AVB), `merge`, `serve` and `update` (the
 //! device's state machine).
 
 #![warn(missing_docs)]
 
+pub mod android;
 pub mod boot;
 pub mod create;
 pub mod device;

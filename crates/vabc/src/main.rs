@@ -57,6 +57,9 @@ enum Command {
     /// The device side: install an update into a store, boot it from base + COW,
     /// mark it good (merge) or roll it back.
     Update(cmd::update::Args),
+    /// Android's own OTA payloads (payload.bin, an OTA zip, a URL): info, verify,
+    /// extract partition images (full and incremental).
+    Payload(cmd::payload::Args),
     /// Block-layer tracing: record the kernel's block events (blktrace's), report
     /// btt's breakdown of where each request's time went.
     Trace(cmd::trace::Args),
@@ -113,6 +116,7 @@ fn main() -> std::process::ExitCode {
         Command::Manifest(a) => cmd::manifest::run(a),
         Command::Bundle(a) => cmd::bundle::run(a),
         Command::Update(a) => cmd::update::run(a),
+        Command::Payload(a) => cmd::payload::run(a),
         Command::Trace(a) => cmd::trace::run(a),
         Command::Man(a) => cmd::docs::man(a, Cli::command()),
         Command::Completions(a) => cmd::docs::completions(a, Cli::command()),
@@ -156,6 +160,10 @@ fn with_tips(mut e: clap::Error) -> clap::Error {
     } else if missing("--key <PUB.pem>") {
         Some(
             "check the signature with --key PUB.pem (openssl pkey -in KEY.pem -pubout), or accept a bundle without checking it with --allow-unsigned",
+        )
+    } else if missing("--key <PUBKEY.pem>") {
+        Some(
+            "give the public key the payload was signed with, --key PUBKEY.pem (e.g. update_engine's update-payload-key.pub.pem; openssl rsa -in KEY.pem -pubout); `payload extract --no-verify` skips the signature checks",
         )
     } else {
         None

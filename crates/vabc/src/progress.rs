@@ -173,7 +173,7 @@ impl ota::Observer for Bar {
         match e {
             ota::Event::Start { phase, total } => {
                 let unit = match phase {
-                    "apply" => Unit::Bytes,
+                    "apply" | "verifying the payload" => Unit::Bytes,
                     "merge" => Unit::Items("ops"),
                     _ => Unit::Items("blocks"),
                 };

@@ -76,6 +76,15 @@ pub fn schemas() -> Vec<(&'static str, serde_json::Value)> {
             schema_for!(Report<manifest::ManifestReport<'static>>),
         ),
         ("merge", schema_for!(Report<merge::MergeReport<'static>>)),
+        (
+            "payload-extract",
+            schema_for!(Report<payload::ExtractReport<'static>>),
+        ),
+        ("payload-info", schema_for!(Report<::payload::info::Info>)),
+        (
+            "payload-verify",
+            schema_for!(Report<payload::VerifyReport<'static>>),
+        ),
         ("serve-ready", schema_for!(Report<ota::serving::Ready>)),
         ("trace-record", schema_for!(Report<trace::TraceReport>)),
         ("trace-report", schema_for!(Report<trace::TraceReport>)),

@@ -7,6 +7,7 @@ pub mod docs;
 pub mod inspect;
 pub mod manifest;
 pub mod merge;
+pub mod payload;
 pub mod serve;
 pub mod trace;
 pub mod update;

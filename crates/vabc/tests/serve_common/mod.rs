@@ -50,7 +50,7 @@ pub fn run_vabc(args: &[&str]) -> std::process::Output {
 /// The schema file (docs/schemas/NAME.json) of the report `vabc ARGS` prints: the
 /// command's words joined by `-` (`bundle-info`, `merge`).
 pub fn schema_name(args: &[&str]) -> String {
-    const GROUPS: [&str; 5] = ["avb", "bundle", "trace", "update", "verity"];
+    const GROUPS: [&str; 6] = ["avb", "bundle", "payload", "trace", "update", "verity"];
     let mut words = args.iter().skip_while(|a| a.starts_with('-'));
     let first = words.next().copied().unwrap_or_default();
     match (GROUPS.contains(&first), words.next()) {

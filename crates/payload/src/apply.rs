@@ -1,0 +1,379 @@
+//! A partition's operations applied: the new partition written from the payload's
+//! data and, for an incremental payload, the old partition.
+//!
+//! Every operation is checked before any is applied (its type, its extents inside
+//! the partitions, no destination block written twice), so the operations are then
+//! independent and run on all CPUs. Each holds only its own data, source and output
+//! in memory: memory grows with the largest operation and the thread count, never
+//! with the partition. Each operation's data is checked against its hash before use,
+//! each source against its hash, and the whole new partition against its hash at the
+//! end.
+
+use std::fs::File;
+use std::io::Read as _;
+use std::os::unix::fs::FileExt;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use rayon::prelude::*;
+use vabc_io::ReadAt;
+
+use crate::error::{Error, Result};
+use crate::format::{Payload, op_name, sha256};
+use crate::proto::{Extent, InstallOperation, OpType, PartitionUpdate};
+
+/// What an extraction trusts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Trust {
+    /// The metadata signature verified: every operation must carry its data's hash and
+    /// the partition its new hash, so that nothing unchecked is written.
+    Verified,
+    /// No signature checked (`--no-verify`): hashes that are present are still
+    /// checked, missing ones are not asked for.
+    Unverified,
+}
+
+/// The old partition of an incremental payload.
+pub struct Old<'a> {
+    /// Its bytes.
+    pub image: &'a (dyn ReadAt + Send),
+    /// Its size in bytes.
+    pub size: u64,
+}
+
+/// Writes partition `part` of `p` into `out` (a new, empty file, which is sized
+/// here); `old` is the old partition (incremental payloads); `progress` hears of
+/// every block written. Checks the result's hash before returning.
+pub fn apply_partition(
+    p: &Payload,
+    part: &PartitionUpdate,
+    old: Option<Old<'_>>,
+    out: &File,
+    out_name: &std::path::Path,
+    trust: Trust,
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<()> {
+    let name = part.partition_name.as_str();
+    let bs = u64::from(p.block_size());
+    let new = part
+        .new_partition_info
+        .as_ref()
+        .and_then(|i| i.size)
+        .ok_or_else(|| Error::partition(name, "the manifest gives no new size"))?;
+    let new_hash = part
+        .new_partition_info
+        .as_ref()
+        .and_then(|i| i.hash.clone());
+    if trust == Trust::Verified && new_hash.is_none() {
+        return Err(Error::partition(
+            name,
+            "the manifest gives no hash of the new partition, so the result cannot be checked",
+        ));
+    }
+    let needs_old = part
+        .operations
+        .iter()
+        .any(|o| OpType::try_from(o.r#type).is_ok_and(OpType::reads_source));
+    let old_size = match (&old, needs_old) {
+        (Some(o), _) => o.size,
+        (None, true) => {
+            return Err(Error::partition(
+                name,
+                "the payload is incremental: the old partition is needed",
+            ));
+        }
+        (None, false) => 0,
+    };
+    if let Some(want) = part.old_partition_info.as_ref().and_then(|i| i.size)
+        && old.is_some()
+        && old_size < want
+    {
+        return Err(Error::partition(
+            name,
+            format!("the old partition has {old_size} bytes, the payload was made against {want}"),
+        ));
+    }
+    check_ops(p, part, new.div_ceil(bs), old_size.div_ceil(bs), trust)?;
+    out.set_len(new)
+        .map_err(vabc_io::error::on("size", out_name))?;
+
+    let failed = AtomicBool::new(false);
+    part.operations
+        .par_iter()
+        .enumerate()
+        .try_for_each(|(index, op)| {
+            if failed.load(Ordering::Relaxed) {
+                return Ok(());
+            }
+            let r = apply_op(p, name, index, op, old.as_ref(), out, out_name, bs, new);
+            if r.is_err() {
+                failed.store(true, Ordering::Relaxed);
+            } else {
+                progress(blocks(&op.dst_extents));
+            }
+            r
+        })?;
+
+    if let Some(want) = new_hash {
+        let got = hash_file(out, out_name, new)?;
+        if got.as_slice() != want.as_slice() {
+            return Err(Error::partition(
+                name,
+                format!(
+                    "the new partition's SHA-256 is {}, the manifest says {}",
+                    hex::encode(got),
+                    hex::encode(want)
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Total blocks of `extents`.
+pub fn blocks(extents: &[Extent]) -> u64 {
+    // Saturating: a crafted manifest's counts are summed before they are checked.
+    extents.iter().fold(0u64, |n, e| n.saturating_add(e.len()))
+}
+
+/// Every operation's type supported, extents in bounds and destinations disjoint;
+/// the hashes a verified extraction needs present.
+fn check_ops(
+    p: &Payload,
+    part: &PartitionUpdate,
+    new_blocks: u64,
+    old_blocks: u64,
+    trust: Trust,
+) -> Result<()> {
+    let name = part.partition_name.as_str();
+    let mut written = vec![0u64; usize::try_from(new_blocks.div_ceil(64)).unwrap_or(usize::MAX)];
+    for (index, op) in part.operations.iter().enumerate() {
+        let kind = op_name(op);
+        let bad = |what: String| Error::Op {
+            partition: name.to_string(),
+            index,
+            op: kind,
+            what,
+        };
+        let t = OpType::try_from(op.r#type).map_err(|_| Error::Unsupported {
+            partition: name.to_string(),
+            index,
+            op: format!("operation type {}", op.r#type),
+        })?;
+        match t {
+            OpType::Replace
+            | OpType::ReplaceBz
+            | OpType::ReplaceXz
+            | OpType::ReplaceZstd
+            | OpType::Zero
+            | OpType::Discard
+            | OpType::SourceCopy
+            | OpType::SourceBsdiff
+            | OpType::BrotliBsdiff => {}
+            OpType::Move
+            | OpType::Bsdiff
+            | OpType::Puffdiff
+            | OpType::Zucchini
+            | OpType::Lz4diffBsdiff
+            | OpType::Lz4diffPuffdiff => {
+                return Err(Error::Unsupported {
+                    partition: name.to_string(),
+                    index,
+                    op: t.name().to_string(),
+                });
+            }
+        }
+        if t.reads_source() && !p.is_incremental() {
+            return Err(bad(
+                "a full payload (minor version 0) reads no old partition".into(),
+            ));
+        }
+        let has_data = matches!(
+            t,
+            OpType::Replace
+                | OpType::ReplaceBz
+                | OpType::ReplaceXz
+                | OpType::ReplaceZstd
+                | OpType::SourceBsdiff
+                | OpType::BrotliBsdiff
+        );
+        if has_data {
+            if op.data_offset.is_none() || op.data_length.is_none() {
+                return Err(bad("it gives no data offset and length".into()));
+            }
+            if trust == Trust::Verified && op.data_sha256_hash.is_none() {
+                return Err(bad(
+                    "its data has no hash in the signed manifest, so it cannot be checked".into(),
+                ));
+            }
+        }
+        if op.dst_extents.is_empty() {
+            return Err(bad("it writes no block".into()));
+        }
+        for e in &op.dst_extents {
+            let end = e.start().checked_add(e.len());
+            if e.is_empty() || end.is_none_or(|end| end > new_blocks) {
+                return Err(bad(format!(
+                    "destination blocks {}+{} are outside the new partition ({new_blocks} blocks)",
+                    e.start(),
+                    e.len()
+                )));
+            }
+            for b in e.start()..e.start() + e.len() {
+                let (w, bit) = ((b / 64) as usize, 1u64 << (b % 64));
+                if written[w] & bit != 0 {
+                    return Err(bad(format!(
+                        "destination block {b} is written by an earlier operation too"
+                    )));
+                }
+                written[w] |= bit;
+            }
+        }
+        if t.reads_source() {
+            if op.src_extents.is_empty() {
+                return Err(bad("it reads no source block".into()));
+            }
+            for e in &op.src_extents {
+                let end = e.start().checked_add(e.len());
+                if e.is_empty() || end.is_none_or(|end| end > old_blocks) {
+                    return Err(bad(format!(
+                        "source blocks {}+{} are outside the old partition ({old_blocks} blocks)",
+                        e.start(),
+                        e.len()
+                    )));
+                }
+            }
+        } else if !op.src_extents.is_empty() {
+            return Err(bad("it names source blocks but reads none".into()));
+        }
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn apply_op(
+    p: &Payload,
+    name: &str,
+    index: usize,
+    op: &InstallOperation,
+    old: Option<&Old<'_>>,
+    out: &File,
+    out_name: &std::path::Path,
+    bs: u64,
+    new_size: u64,
+) -> Result<()> {
+    let kind = op_name(op);
+    let bad = |what: String| Error::Op {
+        partition: name.to_string(),
+        index,
+        op: kind,
+        what,
+    };
+    let t = OpType::try_from(op.r#type).map_err(|_| bad("unknown type".into()))?;
+    let dst_len = blocks(&op.dst_extents) * bs;
+    let data = p.op_data(name, index, op)?;
+    let limited = |r: &mut dyn std::io::Read, what: &str| -> Result<Vec<u8>> {
+        let mut v = Vec::new();
+        r.take(dst_len + 1)
+            .read_to_end(&mut v)
+            .map_err(|e| bad(format!("its {what} data does not decompress: {e}")))?;
+        Ok(v)
+    };
+    let new: Vec<u8> = match t {
+        OpType::Zero | OpType::Discard => return Ok(()),
+        OpType::Replace => data,
+        OpType::ReplaceBz => limited(&mut bzip2::read::BzDecoder::new(&data[..]), "bzip2")?,
+        OpType::ReplaceXz => limited(&mut liblzma::read::XzDecoder::new(&data[..]), "xz")?,
+        OpType::ReplaceZstd => limited(
+            &mut zstd::stream::read::Decoder::new(&data[..])
+                .map_err(|e| bad(format!("its zstd data does not open: {e}")))?,
+            "zstd",
+        )?,
+        OpType::SourceCopy | OpType::SourceBsdiff | OpType::BrotliBsdiff => {
+            let Some(old) = old else {
+                return Err(bad("the old partition is needed".into()));
+            };
+            let src = read_extents(old, &op.src_extents, bs)
+                .map_err(|e| bad(format!("cannot read its source blocks: {e}")))?;
+            if let Some(want) = &op.src_sha256_hash {
+                let got = sha256(&src);
+                if got.as_slice() != want.as_slice() {
+                    return Err(bad(format!(
+                        "its source blocks have SHA-256 {}, the manifest says {}: the old \
+                         partition is not the one the payload was made against",
+                        hex::encode(got),
+                        hex::encode(want)
+                    )));
+                }
+            }
+            if t == OpType::SourceCopy {
+                src
+            } else {
+                let src = match op.src_length {
+                    Some(n) if n <= src.len() as u64 => &src[..n as usize],
+                    _ => &src[..],
+                };
+                crate::bspatch::apply(src, &data, dst_len)
+                    .map_err(|e| bad(format!("its patch does not apply: {e}")))?
+            }
+        }
+        _ => return Err(bad("not supported".into())),
+    };
+    // A patch may make fewer bytes than its blocks hold (`dst_length`); a REPLACE
+    // must fill them.
+    let short_ok = matches!(t, OpType::SourceBsdiff | OpType::BrotliBsdiff);
+    if new.len() as u64 > dst_len || (!short_ok && new.len() as u64 != dst_len) {
+        return Err(bad(format!(
+            "it makes {} bytes for {} destination blocks ({dst_len} bytes)",
+            new.len(),
+            blocks(&op.dst_extents)
+        )));
+    }
+    let mut at = 0usize;
+    for e in &op.dst_extents {
+        if at >= new.len() {
+            break;
+        }
+        let off = e.start() * bs;
+        // The last block may lie past the partition's end (a size not a multiple of
+        // the block size): only what is inside is written.
+        let n = ((e.len() * bs) as usize)
+            .min(new.len() - at)
+            .min(new_size.saturating_sub(off) as usize);
+        out.write_all_at(&new[at..at + n], off)
+            .map_err(|err| vabc_io::Error::new("write", out_name, err).at(off))?;
+        at += (e.len() * bs) as usize;
+    }
+    Ok(())
+}
+
+/// The bytes of `extents` of the old partition, in order.
+fn read_extents(old: &Old<'_>, extents: &[Extent], bs: u64) -> std::io::Result<Vec<u8>> {
+    let total = blocks(extents) * bs;
+    let mut v = vec![0u8; usize::try_from(total).map_err(std::io::Error::other)?];
+    let mut at = 0usize;
+    for e in extents {
+        let off = e.start() * bs;
+        let n = (e.len() * bs) as usize;
+        // A last block past the old partition's end reads as zeros.
+        let inside = (old.size.saturating_sub(off) as usize).min(n);
+        old.image.read_exact_at(&mut v[at..at + inside], off)?;
+        at += n;
+    }
+    Ok(v)
+}
+
+/// SHA-256 of the first `size` bytes of `f`.
+pub fn hash_file(f: &File, path: &std::path::Path, size: u64) -> Result<[u8; 32]> {
+    use sha2::Digest as _;
+    let mut h = sha2::Sha256::new();
+    let mut buf = vec![0u8; 4 << 20];
+    let mut at = 0u64;
+    while at < size {
+        let n = (size - at).min(buf.len() as u64) as usize;
+        FileExt::read_exact_at(f, &mut buf[..n], at)
+            .map_err(|e| vabc_io::Error::new("read", path, e).at(at))?;
+        h.update(&buf[..n]);
+        at += n as u64;
+    }
+    Ok(h.finalize().into())
+}

@@ -1,0 +1,374 @@
+//! Payloads laid out and signed in update_engine's order, with every piece made by a
+//! reference tool (RSA signatures by `openssl pkeyutl` as update_engine's signer makes
+//! them, bzip2/xz/zstd streams by those tools, BSDIFF40 patches by `bsdiff`, the OTA
+//! zip by Python's `zipfile`): every operation applies to the exact new image; a
+//! changed byte anywhere, another key, a wrong old image or an operation we do not
+//! apply is refused, naming where, before anything is written.
+
+use std::path::Path;
+
+use payload::apply::{Old, Trust, apply_partition};
+use payload::fuzzing::{self, Builder};
+use payload::proto::{Extent, OpType};
+use payload::{Keys, Payload, Source};
+
+fn open_bytes(data: &[u8]) -> payload::Result<Payload> {
+    fuzzing::open(data)
+}
+
+/// Applies every partition of `p` (old images from `olds`) into memory.
+fn apply_all(
+    p: &Payload,
+    olds: &[(&str, &Vec<u8>)],
+    trust: Trust,
+) -> payload::Result<Vec<(String, Vec<u8>)>> {
+    let mut out = Vec::new();
+    for part in &p.manifest.partitions {
+        let f = tempfile::tempfile().unwrap();
+        let old = olds
+            .iter()
+            .find(|(n, _)| *n == part.partition_name)
+            .map(|(_, d)| Old {
+                image: *d,
+                size: d.len() as u64,
+            });
+        apply_partition(p, part, old, &f, Path::new("out"), trust, &|_| {})?;
+        let mut v = Vec::new();
+        std::io::Read::read_to_end(&mut &f, &mut v).unwrap();
+        out.push((part.partition_name.clone(), v));
+    }
+    Ok(out)
+}
+
+struct Key {
+    _dir: tempfile::TempDir,
+    private: std::path::PathBuf,
+    public: std::path::PathBuf,
+}
+
+fn key(name: &str) -> Key {
+    let dir = tempfile::tempdir().unwrap();
+    let (private, public) = fuzzing::openssl_key(dir.path(), name);
+    Key {
+        _dir: dir,
+        private,
+        public,
+    }
+}
+
+fn keys(k: &Key) -> Keys {
+    Keys::from_pem_file(&k.public).unwrap()
+}
+
+#[test]
+fn a_signed_full_payload_extracts_exactly_and_verifies() {
+    let k = key("k");
+    let sign = |h: &[u8; 32]| fuzzing::openssl_sign(&k.private, h);
+    let (bytes, images) = fuzzing::sample_full(Some(&sign));
+    let p = open_bytes(&bytes).unwrap();
+    assert!(!p.is_incremental());
+    payload::verify::verify_metadata(&p, &keys(&k)).unwrap();
+    payload::verify::verify_payload(&p, &keys(&k), &|_| {}).unwrap();
+    let got = apply_all(&p, &[], Trust::Verified).unwrap();
+    assert_eq!(got, images);
+    let info = payload::info::Info::of(&p);
+    assert_eq!(info.kind, "full");
+    let sys = &info.partitions[0].operations_by_type;
+    for t in [
+        "REPLACE",
+        "REPLACE_BZ",
+        "REPLACE_XZ",
+        "REPLACE_ZSTD",
+        "ZERO",
+        "DISCARD",
+    ] {
+        assert_eq!(sys.get(t), Some(&1), "{t}: {sys:?}");
+    }
+}
+
+#[test]
+fn a_signed_incremental_payload_applies_every_source_operation() {
+    let k = key("k");
+    let dir = tempfile::tempdir().unwrap();
+    let sign = |h: &[u8; 32]| fuzzing::openssl_sign(&k.private, h);
+    let (bytes, old, new) = fuzzing::sample_incremental(dir.path(), Some(&sign));
+    let p = open_bytes(&bytes).unwrap();
+    assert!(p.is_incremental());
+    payload::verify::verify_metadata(&p, &keys(&k)).unwrap();
+    payload::verify::verify_payload(&p, &keys(&k), &|_| {}).unwrap();
+    let got = apply_all(&p, &[("system", &old)], Trust::Verified).unwrap();
+    assert!(got[0].1 == new, "the new image differs");
+    // Without the old image, nothing is applied.
+    let e = apply_all(&p, &[], Trust::Verified).unwrap_err().to_string();
+    assert!(e.contains("old partition is needed"), "{e}");
+}
+
+#[test]
+fn a_wrong_old_image_is_named_by_the_operation_that_reads_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (bytes, mut old, _) = fuzzing::sample_incremental(dir.path(), None);
+    old[24 * 4096 + 5] ^= 1;
+    let p = open_bytes(&bytes).unwrap();
+    let e = apply_all(&p, &[("system", &old)], Trust::Unverified)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("partition system, operation 0 (SOURCE_COPY)")
+            && e.contains("not the one the payload was made against"),
+        "{e}"
+    );
+}
+
+#[test]
+fn any_changed_byte_or_another_key_is_refused() {
+    let k = key("k");
+    let other = key("other");
+    let sign = |h: &[u8; 32]| fuzzing::openssl_sign(&k.private, h);
+    let (bytes, _) = fuzzing::sample_full(Some(&sign));
+    let p = open_bytes(&bytes).unwrap();
+    assert!(payload::verify::verify_metadata(&p, &keys(&other)).is_err());
+    let data_at = p.header.data_offset() as usize;
+    let (sig_at, _) = p.payload_signature_range().unwrap();
+    // A byte of the manifest, of the metadata signature, of the data, of the payload
+    // signature: each is refused by one of the checks, and every extraction that
+    // trusts the key refuses all but the last before writing.
+    for (what, at) in [
+        ("manifest", 60usize),
+        ("metadata signature", data_at - 10),
+        ("data", data_at + 5000),
+        ("payload signature", sig_at as usize + 40),
+    ] {
+        let mut b = bytes.clone();
+        b[at] ^= 0x20;
+        let meta_ok =
+            open_bytes(&b).is_ok_and(|p| payload::verify::verify_metadata(&p, &keys(&k)).is_ok());
+        let whole_ok = open_bytes(&b)
+            .is_ok_and(|p| payload::verify::verify_payload(&p, &keys(&k), &|_| {}).is_ok());
+        match what {
+            // The payload signature leaves the metadata signature out, as update_engine's
+            // does; the metadata signature's own check refuses it.
+            "metadata signature" => assert!(!meta_ok && whole_ok, "{what}"),
+            _ => assert!(!whole_ok, "{what}: the payload signature still verifies"),
+        }
+        match what {
+            "data" => {
+                assert!(meta_ok, "{what}");
+                let p = open_bytes(&b).unwrap();
+                let e = apply_all(&p, &[], Trust::Verified).unwrap_err().to_string();
+                assert!(
+                    e.contains("partition system, operation") && e.contains("SHA-256"),
+                    "{e}"
+                );
+            }
+            "payload signature" => assert!(meta_ok, "{what}"),
+            _ => assert!(!meta_ok, "{what}: the metadata signature still verifies"),
+        }
+    }
+}
+
+#[test]
+fn an_ota_zip_is_read_in_place_and_a_url_by_ranges() {
+    let dir = tempfile::tempdir().unwrap();
+    let (bytes, images) = fuzzing::sample_full(None);
+    let bin = dir.path().join("payload.bin");
+    std::fs::write(&bin, &bytes).unwrap();
+    let zip = dir.path().join("ota.zip");
+    // Python's zipfile as the reference writer, payload.bin stored as Android stores
+    // it, after other entries.
+    fuzzing::run(
+        "python3",
+        &[
+            "-c",
+            "import sys, zipfile\n\
+             z = zipfile.ZipFile(sys.argv[1], 'w')\n\
+             z.writestr('META-INF/com/android/metadata', 'ota-type=AB\\n', zipfile.ZIP_DEFLATED)\n\
+             z.write(sys.argv[2], 'payload.bin', zipfile.ZIP_STORED)\n\
+             z.writestr('payload_properties.txt', 'FILE_SIZE=1\\n', zipfile.ZIP_DEFLATED)\n",
+            zip.to_str().unwrap(),
+            bin.to_str().unwrap(),
+        ],
+        &[],
+    );
+    let z = Payload::open(Source::open(zip.to_str().unwrap()).unwrap()).unwrap();
+    assert!(z.source().name().ends_with("ota.zip!payload.bin"));
+    assert_eq!(z.source().len(), bytes.len() as u64);
+    assert_eq!(apply_all(&z, &[], Trust::Unverified).unwrap(), images);
+
+    let zip_bytes = std::fs::read(&zip).unwrap();
+    let (url, sent) = fuzzing::range_server(zip_bytes.clone(), "ota.zip");
+    let u = Payload::open(Source::open(&url).unwrap()).unwrap();
+    // Only vendor: system's data is never fetched.
+    let vendor = u.partition("vendor").unwrap();
+    let f = tempfile::tempfile().unwrap();
+    apply_partition(
+        &u,
+        vendor,
+        None,
+        &f,
+        Path::new("out"),
+        Trust::Unverified,
+        &|_| {},
+    )
+    .unwrap();
+    let mut v = Vec::new();
+    std::io::Read::read_to_end(&mut &f, &mut v).unwrap();
+    assert_eq!(v, images[1].1);
+    // System's data was not fetched: at most the 4 KiB read of the zip's local header
+    // reaches into it.
+    let payload_at = zip_bytes.windows(4).position(|w| w == b"CrAU").unwrap() as u64;
+    let base = payload_at + u.header.data_offset();
+    let sent = sent.lock().unwrap().clone();
+    let mut overlap = 0;
+    for op in &u.partition("system").unwrap().operations {
+        let (Some(off), Some(len)) = (op.data_offset, op.data_length) else {
+            continue;
+        };
+        let (a, b) = (base + off, base + off + len - 1);
+        for &(x, y) in &sent {
+            overlap += (y.min(b) + 1).saturating_sub(x.max(a));
+        }
+    }
+    let system: u64 = u
+        .partition("system")
+        .unwrap()
+        .operations
+        .iter()
+        .filter_map(|o| o.data_length)
+        .sum();
+    assert!(
+        overlap <= 4096,
+        "{overlap} of system's {system} data bytes fetched: {sent:?}"
+    );
+}
+
+#[test]
+fn operations_we_do_not_apply_and_bad_extents_fail_before_any_write() {
+    let img = fuzzing::image(5, 8);
+    fn e(start: u64, n: u64) -> Extent {
+        Extent::new(start, n)
+    }
+    type Case = (&'static str, Box<dyn Fn(&mut Builder, usize)>);
+    let cases: Vec<Case> = vec![
+        (
+            "PUFFDIFF is not supported",
+            Box::new(|b: &mut Builder, p| {
+                b.op(p, OpType::Puffdiff, &[e(0, 1)], &[e(0, 1)], Some(b"x"))
+            }),
+        ),
+        (
+            "ZUCCHINI is not supported",
+            Box::new(|b: &mut Builder, p| {
+                b.op(p, OpType::Zucchini, &[e(0, 1)], &[e(0, 1)], Some(b"x"))
+            }),
+        ),
+        (
+            "LZ4DIFF_BSDIFF is not supported",
+            Box::new(|b: &mut Builder, p| {
+                b.op(p, OpType::Lz4diffBsdiff, &[e(0, 1)], &[e(0, 1)], Some(b"x"))
+            }),
+        ),
+        (
+            "written by an earlier operation",
+            Box::new(|b: &mut Builder, p| {
+                b.op(p, OpType::Zero, &[], &[e(0, 2)], None);
+                b.op(p, OpType::Zero, &[], &[e(1, 1)], None)
+            }),
+        ),
+        (
+            "outside the new partition",
+            Box::new(|b: &mut Builder, p| b.op(p, OpType::Zero, &[], &[e(7, 2)], None)),
+        ),
+        (
+            "outside the old partition",
+            Box::new(|b: &mut Builder, p| {
+                b.op(
+                    p,
+                    OpType::SourceCopy,
+                    &[e(u64::MAX - 1, 2)],
+                    &[e(0, 2)],
+                    None,
+                )
+            }),
+        ),
+    ];
+    for (want, add) in cases {
+        let mut b = Builder::new(8);
+        let p = b.partition("system", Some(img.clone()), &img);
+        // A valid first operation: nothing of it may be written either.
+        b.op(
+            p,
+            OpType::Replace,
+            &[],
+            &[e(3, 1)],
+            Some(&img[3 * 4096..4 * 4096]),
+        );
+        add(&mut b, p);
+        let bytes = b.finish(None);
+        let pl = open_bytes(&bytes).unwrap();
+        let f = tempfile::tempfile().unwrap();
+        let old = Old {
+            image: &img,
+            size: img.len() as u64,
+        };
+        let err = apply_partition(
+            &pl,
+            &pl.manifest.partitions[0],
+            Some(old),
+            &f,
+            Path::new("o"),
+            Trust::Unverified,
+            &|_| {},
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains(want) && err.contains("partition system, operation"),
+            "{want}: {err}"
+        );
+        assert_eq!(f.metadata().unwrap().len(), 0, "{want}: written");
+    }
+}
+
+#[test]
+fn a_cut_or_crafted_header_names_the_offset() {
+    let (bytes, _) = fuzzing::sample_full(None);
+    for (cut, want) in [
+        (10, "too short for a payload header"),
+        (100, "run past the end"),
+        (bytes.len() - 3, ""),
+    ] {
+        let r = open_bytes(&bytes[..cut]);
+        if want.is_empty() {
+            // The manifest is whole: the cut shows when the last data is read.
+            let p = r.unwrap();
+            let e = apply_all(&p, &[], Trust::Unverified)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("past the end"), "{e}");
+        } else {
+            let e = r.unwrap_err().to_string();
+            assert!(e.contains(want) && e.contains("fuzz input"), "{cut}: {e}");
+        }
+    }
+    let mut b = bytes.clone();
+    b[4..12].copy_from_slice(&1u64.to_be_bytes());
+    assert!(
+        open_bytes(&b)
+            .unwrap_err()
+            .to_string()
+            .contains("(at offset 4)")
+    );
+    let mut b = bytes.clone();
+    b[12..20].copy_from_slice(&u64::MAX.to_be_bytes());
+    assert!(
+        open_bytes(&b)
+            .unwrap_err()
+            .to_string()
+            .contains("(at offset 12)")
+    );
+    // A partition name that would leave the output folder.
+    let mut bl = Builder::new(0);
+    bl.partition("../etc", None, &[0u8; 4096]);
+    let e = open_bytes(&bl.finish(None)).unwrap_err().to_string();
+    assert!(e.contains("not a plain name"), "{e}");
+}
