@@ -108,6 +108,28 @@ pub struct Extracted {
 /// Extracts (full payloads) or makes from the old images (incremental payloads) the
 /// partitions `req` names; returns them and the payload as opened.
 pub fn extract(req: &ExtractRequest, observer: &dyn Observer) -> Result<(Payload, Vec<Extracted>)> {
+    let (p, made) = make_images(req, observer)?;
+    // Together one output: a failed rename removes the images renamed before it
+    // (until the caller's `keep_outputs`).
+    let mut out = Vec::new();
+    for m in made {
+        crate::output::part_of_output(&m.dest, || crate::output::commit(m.tmp, &m.dest))?;
+        out.push(m.extracted);
+    }
+    Ok((p, out))
+}
+
+/// A partition image made, still under its temporary name.
+struct Made {
+    tmp: tempfile::NamedTempFile,
+    dest: PathBuf,
+    old: Option<PathBuf>,
+    extracted: Extracted,
+}
+
+/// Every asked partition written to a temporary file in the output folder and checked
+/// against the signed hash.
+fn make_images(req: &ExtractRequest, observer: &dyn Observer) -> Result<(Payload, Vec<Made>)> {
     if !req.out_dir.is_dir() {
         crate::error::invalid!(
             "-o {}: not a folder; create it first",
@@ -150,19 +172,22 @@ pub fn extract(req: &ExtractRequest, observer: &dyn Observer) -> Result<(Payload
             p.minor_version()
         );
     }
-    let mut done = Vec::new();
+    let mut made = Vec::new();
     for part in chosen {
         let name = &part.partition_name;
         let dest = req.out_dir.join(format!("{name}.img"));
-        let old_file = match (&req.old_dir, p.is_incremental()) {
-            (Some(dir), true) => {
-                let path = dir.join(format!("{name}.img"));
-                let f = std::fs::File::open(&path)
-                    .map_err(|e| Error::io("open the old image", &path, e))?;
-                let size = vabc_io::size_of(&f).map_err(|e| Error::io("size", &path, e))?;
+        let old_path = match (&req.old_dir, p.is_incremental()) {
+            (Some(dir), true) => Some(dir.join(format!("{name}.img"))),
+            _ => None,
+        };
+        let old_file = match &old_path {
+            Some(path) => {
+                let f = std::fs::File::open(path)
+                    .map_err(|e| Error::io("open the old image", path, e))?;
+                let size = vabc_io::size_of(&f).map_err(|e| Error::io("size", path, e))?;
                 Some((f, size))
             }
-            _ => None,
+            None => None,
         };
         let old = old_file.as_ref().map(|(f, size)| Old {
             image: f,
@@ -200,22 +225,125 @@ pub fn extract(req: &ExtractRequest, observer: &dyn Observer) -> Result<(Payload
             .as_ref()
             .and_then(|i| i.hash.as_deref())
             .map(hex::encode);
-        done.push((
+        made.push(Made {
             tmp,
-            Extracted {
+            extracted: Extracted {
                 name: name.clone(),
-                path: dest,
+                path: dest.clone(),
                 size,
                 sha256,
             },
-        ));
+            dest,
+            old: old_path,
+        });
     }
-    // Together one output: a failed rename removes the images renamed before it
-    // (until the caller's `keep_outputs`).
+    Ok((p, made))
+}
+
+/// One partition's COW made.
+#[derive(Debug, Clone, serde::Serialize, schemars::JsonSchema)]
+pub struct CowMade {
+    /// The partition.
+    pub name: String,
+    /// The COW written (`NAME.cow`, its manifest beside it as `NAME.cow.manifest`).
+    pub cow: PathBuf,
+    /// The COW's size in bytes.
+    pub cow_bytes: u64,
+    /// The old image it applies to.
+    pub base: PathBuf,
+    /// Blocks by op: copy, xor, zero, replace, unchanged.
+    pub blocks: std::collections::BTreeMap<&'static str, u64>,
+    /// The new image's SHA-256 (checked).
+    pub new_sha256: Option<String>,
+}
+
+/// How [`to_cows`] writes the COWs; `None` fields take the payload's own values.
+#[derive(Debug, Clone, Default)]
+pub struct CowChoice {
+    /// COW format version (2 or 3).
+    pub version: Option<u16>,
+    /// Compression ("lz4", "gz", "zstd:3", ...).
+    pub compression: Option<String>,
+    /// Bytes per compression unit.
+    pub compression_factor: Option<u32>,
+}
+
+/// Turns an incremental payload into the COWs a Virtual A/B Compression device writes
+/// for it (`NAME.cow` and its manifest in `req.out_dir`), with the payload's COW
+/// version, compression and unit unless `choice` says otherwise. Each new image is
+/// made and checked first (in a temporary file, removed after).
+pub fn to_cows(
+    req: &ExtractRequest,
+    choice: &CowChoice,
+    observer: &dyn Observer,
+) -> Result<(Payload, payload::cow::CowParams, Vec<CowMade>)> {
+    let (p, made) = make_images(req, observer)?;
+    if !p.is_incremental() {
+        crate::error::invalid!(
+            "{}: a full payload has no old image to make a COW against; extract it instead",
+            p.source().name()
+        );
+    }
+    let asked = payload::cow::cow_params(&p);
+    let params = payload::cow::CowParams {
+        version: choice.version.unwrap_or(asked.version),
+        compression: choice.compression.clone().unwrap_or(asked.compression),
+        compression_factor: choice
+            .compression_factor
+            .unwrap_or(asked.compression_factor),
+    };
+    let compression: cow::Compression = params
+        .compression
+        .parse()
+        .with_context(|| format!("the COW compression {:?}", params.compression))?;
+    let opts = delta::write::CowOptions {
+        version: params.version,
+        compression,
+        compression_factor: params.compression_factor,
+        threads: 0,
+        block_order: false,
+    };
     let mut out = Vec::new();
-    for (tmp, e) in done {
-        crate::output::part_of_output(&e.path, || crate::output::commit(tmp, &e.path))?;
-        out.push(e);
+    for m in made {
+        let name = m.extracted.name.clone();
+        let part = p
+            .partition(&name)
+            .ok_or_else(|| Error::Invalid(format!("no partition {name}")))?;
+        let old_path = m
+            .old
+            .clone()
+            .ok_or_else(|| Error::Invalid(format!("{name}: no old image")))?;
+        let old = delta::ImageFile::open(&old_path, true)?;
+        let new = delta::ImageFile::open(m.tmp.path(), true)?;
+        let plan = payload::cow::plan(&p, part, &old, &new).map_err(payload_error)?;
+        let cow_path = req.out_dir.join(format!("{name}.cow"));
+        let (written, _, _, _) = crate::create::write_planned(
+            &plan,
+            (&old, &old_path),
+            (&new, m.tmp.path()),
+            &cow_path,
+            &opts,
+            None,
+            observer,
+        )
+        .with_context(|| format!("the COW of {name}"))?;
+        let c = plan.census;
+        out.push(CowMade {
+            name,
+            cow: cow_path,
+            cow_bytes: written.cow_size,
+            base: old_path,
+            blocks: [
+                ("copy", c.copy),
+                ("xor", c.xor),
+                ("zero", c.zero),
+                ("replace", c.replace),
+                ("unchanged", c.unchanged),
+            ]
+            .into_iter()
+            .collect(),
+            new_sha256: m.extracted.sha256,
+        });
     }
-    Ok((p, out))
+    Ok((p, params, out))
 }

@@ -425,38 +425,15 @@ pub fn cow_update(
     let phases = Phases(observer);
     let plan = delta::plan(&old, &new, &opts.plan, &phases)?;
     let plan_seconds = t0.elapsed().as_secs_f64();
-    let written = crate::output::part_of_output(output, || {
-        write_cow(&plan, &old, &new, output, &opts.cow, &phases)
-            .with_context(|| format!("writing {}", output.display()))
-    })?;
-    // The COW writer's temporary file was created 0600; give the COW the mode any new
-    // file gets.
-    crate::output::set_default_mode(output)?;
-    // What the update is for: the base it needs and the image it makes, checked by
-    // apply, merge and serve before they read a base through this COW.
-    let cow =
-        cow::CowReader::open(output).with_context(|| format!("read back {}", output.display()))?;
-    let manifest = manifest::Manifest {
-        schema_version: manifest::SCHEMA_VERSION,
-        base: image_id(&old, old_path, plan.old_size, manifest::REGION_SIZE)?,
-        new: image_id(&new, new_path, plan.new_size, manifest::REGION_SIZE)?,
-        cow_ops: cow.ops().len() as u64,
-        merged_op_hashes: Some(crate::trust::op_hashes(&cow, &new, new_path)?),
-    };
-    let manifest_path = manifest::Manifest::path_for(output);
-    crate::output::part_of_output(&manifest_path, || {
-        crate::output::write_atomic(&manifest_path, manifest.to_json().as_bytes())
-    })?;
-    let tree = match &opts.verity {
-        Some((hashfile, salt)) => {
-            let f = crate::output::part_of_output(hashfile, || {
-                crate::trees::format_default(new_path, hashfile, salt.as_deref())
-                    .with_context(|| format!("verity tree of {}", new_path.display()))
-            })?;
-            Some((hashfile.clone(), f))
-        }
-        None => None,
-    };
+    let (written, manifest, manifest_path, tree) = write_planned(
+        &plan,
+        (&old, old_path),
+        (&new, new_path),
+        output,
+        &opts.cow,
+        opts.verity.as_ref(),
+        observer,
+    )?;
     Ok(CowUpdate {
         new_physical_size: new.physical_size(),
         plan,
@@ -476,6 +453,63 @@ fn same_file(a: &Path, b: &Path) -> bool {
         _ => false,
     }
 }
+
+/// Writes `plan` (from OLD to NEW) as the COW at `output`, its manifest sidecar and,
+/// if asked, NEW's dm-verity tree: one output, removed whole by an error or an
+/// interrupt ([`crate::output::part_of_output`]). Returns the writer's report, the
+/// manifest, where it went and the tree.
+pub fn write_planned(
+    plan: &delta::Plan,
+    (old, old_path): (&ImageFile, &Path),
+    (new, new_path): (&ImageFile, &Path),
+    output: &Path,
+    cow: &CowOptions,
+    verity: Option<&(PathBuf, Option<String>)>,
+    observer: &dyn Observer,
+) -> Result<Planned> {
+    let phases = Phases(observer);
+    let written = crate::output::part_of_output(output, || {
+        write_cow(plan, old, new, output, cow, &phases)
+            .with_context(|| format!("writing {}", output.display()))
+    })?;
+    // The COW writer's temporary file was created 0600; give the COW the mode any new
+    // file gets.
+    crate::output::set_default_mode(output)?;
+    // What the update is for: the base it needs and the image it makes, checked by
+    // apply, merge and serve before they read a base through this COW.
+    let reader =
+        cow::CowReader::open(output).with_context(|| format!("read back {}", output.display()))?;
+    let manifest = manifest::Manifest {
+        schema_version: manifest::SCHEMA_VERSION,
+        base: image_id(old, old_path, plan.old_size, manifest::REGION_SIZE)?,
+        new: image_id(new, new_path, plan.new_size, manifest::REGION_SIZE)?,
+        cow_ops: reader.ops().len() as u64,
+        merged_op_hashes: Some(crate::trust::op_hashes(&reader, new, new_path)?),
+    };
+    let manifest_path = manifest::Manifest::path_for(output);
+    crate::output::part_of_output(&manifest_path, || {
+        crate::output::write_atomic(&manifest_path, manifest.to_json().as_bytes())
+    })?;
+    let tree = match verity {
+        Some((hashfile, salt)) => {
+            let f = crate::output::part_of_output(hashfile, || {
+                crate::trees::format_default(new_path, hashfile, salt.as_deref())
+                    .with_context(|| format!("verity tree of {}", new_path.display()))
+            })?;
+            Some((hashfile.clone(), f))
+        }
+        None => None,
+    };
+    Ok((written, manifest, manifest_path, tree))
+}
+
+/// What [`write_planned`] wrote: the writer's report, the manifest, its path, the tree.
+pub type Planned = (
+    delta::write::WriteReport,
+    manifest::Manifest,
+    PathBuf,
+    Option<(PathBuf, crate::trees::Formatted)>,
+);
 
 /// An image's identity (size, sha256, hashes of `region_size` regions).
 fn image_id(

@@ -7,8 +7,8 @@ use prost::Message as _;
 
 use crate::format::{HEADER_LEN, Payload, sha256};
 use crate::proto::{
-    DeltaArchiveManifest, Extent, InstallOperation, OpType, PartitionInfo, PartitionUpdate,
-    Signature, Signatures,
+    CowMergeOperation, CowMergeType, DeltaArchiveManifest, DynamicPartitionMetadata, Extent,
+    InstallOperation, OpType, PartitionInfo, PartitionUpdate, Signature, Signatures,
 };
 use crate::source::Source;
 
@@ -94,6 +94,19 @@ impl Builder {
             op.dst_length = Some(crate::apply::blocks(dst) * bs);
         }
         self.manifest.partitions[part].operations.push(op);
+    }
+
+    /// Adds a merge operation to partition `part`: `dst` from `src` (COW_XOR at byte
+    /// `offset` of its first block; the source extent then has one block more).
+    pub fn merge(&mut self, part: usize, t: CowMergeType, src: Extent, dst: Extent, offset: u32) {
+        self.manifest.partitions[part]
+            .merge_operations
+            .push(CowMergeOperation {
+                r#type: Some(t as i32),
+                src_extent: Some(src),
+                dst_extent: Some(dst),
+                src_offset: (offset != 0).then_some(offset),
+            });
     }
 
     /// The payload's bytes, signed by `signer` when one is given.
@@ -429,6 +442,21 @@ pub fn sample_incremental(
         &[e(32, 8)],
         Some(&new[32 * 4096..]),
     );
+    // The merge order update_engine's generator would give: the self-overlapping
+    // XOR split in two, back half first; the COPY before the XOR that overwrites
+    // its source; an XOR at a byte offset.
+    b.merge(sys, CowMergeType::CowXor, e(8, 8), e(16, 8), 0);
+    b.merge(sys, CowMergeType::CowXor, e(0, 8), e(8, 8), 0);
+    b.merge(sys, CowMergeType::CowCopy, e(24, 8), e(0, 8), 0);
+    b.merge(sys, CowMergeType::CowXor, e(32, 5), e(24, 4), 100);
+    b.manifest.dynamic_partition_metadata = Some(DynamicPartitionMetadata {
+        snapshot_enabled: Some(true),
+        vabc_enabled: Some(true),
+        vabc_compression_param: Some("lz4".into()),
+        cow_version: Some(3),
+        compression_factor: Some(65536),
+        ..Default::default()
+    });
     (b.finish(signer), old, new)
 }
 

@@ -19,13 +19,16 @@
 //! * [`verify`]: the metadata and payload signatures;
 //! * [`apply`]: a partition's operations applied, every hash checked;
 //! * [`bspatch`]: the BSDIFF40 and BSDF2 patches of SOURCE_BSDIFF and BROTLI_BSDIFF;
-//! * [`info`]: what a payload holds, as a report.
+//! * [`info`]: what a payload holds, as a report;
+//! * [`cow`](mod@cow): an incremental payload as the COW a Virtual A/B Compression
+//!   device writes for it (its merge operations as COPY and XOR ops, in their order).
 //!
 //! PUFFDIFF, ZUCCHINI and the LZ4DIFF operations are not applied yet: a payload
 //! using them fails before anything is written, naming the operation and partition.
 
 pub mod apply;
 pub mod bspatch;
+pub mod cow;
 pub mod error;
 pub mod format;
 #[cfg(any(test, feature = "fuzzing"))]

@@ -372,3 +372,80 @@ fn a_cut_or_crafted_header_names_the_offset() {
     let e = open_bytes(&bl.finish(None)).unwrap_err().to_string();
     assert!(e.contains("not a plain name"), "{e}");
 }
+
+/// The merge operations of the sample as the COW's plan, with `edit` applied to them
+/// first.
+fn cow_plan(
+    edit: impl Fn(&mut Vec<payload::proto::CowMergeOperation>),
+) -> payload::Result<delta::Plan> {
+    let dir = tempfile::tempdir().unwrap();
+    let (bytes, old, new) = fuzzing::sample_incremental(dir.path(), None);
+    let mut p = open_bytes(&bytes).unwrap();
+    edit(&mut p.manifest.partitions[0].merge_operations);
+    let part = p.manifest.partitions[0].clone();
+    payload::cow::plan(
+        &p,
+        &part,
+        &delta::MemImage::new("old", old),
+        &delta::MemImage::new("new", new),
+    )
+}
+
+#[test]
+fn merge_operations_become_copy_and_xor_ops_in_their_order() {
+    let plan = cow_plan(|_| {}).unwrap();
+    let c = plan.census;
+    assert_eq!(
+        (c.copy, c.xor, c.replace, c.zero, c.unchanged),
+        (8, 20, 12, 0, 0)
+    );
+    // The self-overlapping XOR from its end, then the COPY, then the XOR at an offset.
+    let want: Vec<u64> = (16..24)
+        .rev()
+        .chain((8..16).rev())
+        .chain(0..8)
+        .chain(24..28)
+        .collect();
+    assert_eq!(plan.sequence, want);
+    assert!(cow::merge::verify_order(delta::write::merge_ops(&plan).iter()).is_ok());
+    // In another order, the COPY overwrites what an XOR still reads: the writer's
+    // check refuses it.
+    let swapped = cow_plan(|m| m.swap(1, 2)).unwrap();
+    assert!(cow::merge::verify_order(delta::write::merge_ops(&swapped).iter()).is_err());
+}
+
+#[test]
+fn a_false_or_repeated_merge_operation_is_refused() {
+    use payload::proto::{CowMergeOperation, CowMergeType};
+    let op =
+        |t: CowMergeType, src: (u64, u64), dst: (u64, u64), off: Option<u32>| CowMergeOperation {
+            r#type: Some(t as i32),
+            src_extent: Some(Extent::new(src.0, src.1)),
+            dst_extent: Some(Extent::new(dst.0, dst.1)),
+            src_offset: off,
+        };
+    for (want, extra) in [
+        (
+            "the new block differs",
+            op(CowMergeType::CowCopy, (1, 1), (33, 1), None),
+        ),
+        (
+            "in an earlier merge operation",
+            op(CowMergeType::CowXor, (1, 1), (9, 1), None),
+        ),
+        (
+            "outside the partitions",
+            op(CowMergeType::CowXor, (39, 1), (36, 1), Some(7)),
+        ),
+        (
+            "source offset",
+            op(CowMergeType::CowCopy, (1, 1), (33, 1), Some(7)),
+        ),
+    ] {
+        let e = cow_plan(|m| m.push(extra.clone())).unwrap_err().to_string();
+        assert!(
+            e.contains("partition system: merge operation 4") && e.contains(want),
+            "{want}: {e}"
+        );
+    }
+}

@@ -77,6 +77,10 @@ pub fn schemas() -> Vec<(&'static str, serde_json::Value)> {
         ),
         ("merge", schema_for!(Report<merge::MergeReport<'static>>)),
         (
+            "payload-cow",
+            schema_for!(Report<payload::CowReport<'static>>),
+        ),
+        (
             "payload-extract",
             schema_for!(Report<payload::ExtractReport<'static>>),
         ),

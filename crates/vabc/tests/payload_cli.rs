@@ -366,3 +366,81 @@ fn a_changed_byte_another_key_or_an_unsupported_operation_leaves_nothing() {
     );
     assert!(listing(&out).is_empty(), "{:?}", listing(&out));
 }
+
+#[test]
+fn an_incremental_payload_becomes_cows_that_apply_and_merge_to_the_new_image() {
+    let f = fixture();
+    let sign_key = f.dir.path().join("release.pem");
+    let sign = |h: &[u8; 32]| fuzzing::openssl_sign(&sign_key, h);
+    let (bytes, old, new) = fuzzing::sample_incremental(f.dir.path(), Some(&sign));
+    let inc = f.dir.path().join("inc.bin");
+    std::fs::write(&inc, bytes).unwrap();
+    let old_dir = out_dir(&f, "old");
+    let base = old_dir.join("system.img");
+    std::fs::write(&base, &old).unwrap();
+    let out = out_dir(&f, "cows");
+    let v = json(&ok(&[
+        "payload",
+        "cow",
+        "--json",
+        "--key",
+        s(&f.public),
+        "--old",
+        s(&old_dir),
+        "-o",
+        s(&out),
+        s(&inc),
+    ]));
+    // The payload's own parameters, its merge operations as COPY and XOR.
+    assert_eq!(v["cow"]["version"], 3);
+    assert_eq!(v["cow"]["compression"], "lz4");
+    assert_eq!(v["cow"]["compression_factor"], 65536);
+    let blocks = &v["partitions"][0]["blocks"];
+    assert_eq!(
+        (
+            blocks["copy"].as_u64(),
+            blocks["xor"].as_u64(),
+            blocks["replace"].as_u64()
+        ),
+        (Some(8), Some(20), Some(12)),
+        "{blocks}"
+    );
+    assert_eq!(listing(&out), ["system.cow", "system.cow.manifest"]);
+    let cow = out.join("system.cow");
+    let i = json(&ok(&["inspect", "--json", s(&cow)]));
+    assert_eq!(
+        (i["version"].as_str(), i["compression"].as_str()),
+        (Some("3.0"), Some("lz4")),
+        "{i}"
+    );
+    // The manifest's checks hold: apply makes the new image, and a merge in place too.
+    let applied = f.dir.path().join("applied.img");
+    ok(&[
+        "apply",
+        "--base",
+        s(&base),
+        "--cow",
+        s(&cow),
+        "-o",
+        s(&applied),
+    ]);
+    assert!(std::fs::read(&applied).unwrap() == new, "apply");
+    ok(&["merge", "--base", s(&base), "--cow", s(&cow)]);
+    assert!(std::fs::read(&base).unwrap() == new, "merge");
+    // A full payload has no base to make a COW against.
+    let err = fails(
+        &[
+            "payload",
+            "cow",
+            "--key",
+            s(&f.public),
+            "--old",
+            s(&old_dir),
+            "-o",
+            s(&out),
+            s(&f.full),
+        ],
+        1,
+    );
+    assert!(err.contains("extract it instead"), "{err}");
+}

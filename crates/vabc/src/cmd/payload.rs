@@ -28,6 +28,11 @@ enum Sub {
     /// against its signed hash; every image is checked against its signed hash before
     /// it is renamed into place.
     Extract(ExtractArgs),
+    /// Turn an incremental payload into the COWs a Virtual A/B Compression device
+    /// writes for it (NAME.cow and its manifest): its merge operations as COPY and XOR
+    /// ops in their order, the rest as ZERO and REPLACE, with the payload's COW
+    /// version, compression and unit. `vabc serve`, `apply` and `merge` take them.
+    Cow(CowArgs),
 }
 
 #[derive(clap::Args)]
@@ -82,12 +87,98 @@ struct ExtractArgs {
     json: bool,
 }
 
+#[derive(clap::Args)]
+struct CowArgs {
+    #[command(flatten)]
+    from: ExtractArgs,
+    /// COW format version (2 or 3; default: the payload's cow_version, else 2).
+    #[arg(long)]
+    cow_version: Option<u16>,
+    /// COW compression: none, gz, lz4, brotli or zstd, with an optional level
+    /// (zstd:3). Default: the payload's vabc_compression_param, else gz.
+    #[arg(long)]
+    compression: Option<String>,
+    /// Bytes per compression unit, 4K to 256K (v3; default: the payload's
+    /// compression_factor, else 4K).
+    #[arg(long, value_parser = crate::args::parse_size)]
+    compression_factor: Option<u64>,
+}
+
 pub fn run(a: Args) -> Result<ExitCode> {
     match a.cmd {
         Sub::Info(a) => info(a),
         Sub::Verify(a) => verify(a),
         Sub::Extract(a) => extract(a),
+        Sub::Cow(a) => cow(a),
     }
+}
+
+fn request(a: &ExtractArgs) -> ota::android::ExtractRequest {
+    ota::android::ExtractRequest {
+        source: a.payload.clone(),
+        out_dir: a.out_dir.clone(),
+        partitions: a.partitions.clone(),
+        old_dir: a.old.clone(),
+        keys: if a.no_verify {
+            ota::android::KeyChoice::NoVerify
+        } else {
+            ota::android::KeyChoice::Keys(a.keys.clone())
+        },
+    }
+}
+
+fn signature_said(a: &ExtractArgs) -> &'static str {
+    if a.no_verify {
+        "not checked (--no-verify)"
+    } else {
+        "metadata signature verified"
+    }
+}
+
+fn cow(a: CowArgs) -> Result<ExitCode> {
+    let factor = match a.compression_factor {
+        Some(f) => Some(
+            u32::try_from(f).map_err(|_| anyhow::anyhow!("--compression-factor {f}: too large"))?,
+        ),
+        None => None,
+    };
+    let choice = ota::android::CowChoice {
+        version: a.cow_version,
+        compression: a.compression.clone(),
+        compression_factor: factor,
+    };
+    let (_, params, cows) =
+        ota::android::to_cows(&request(&a.from), &choice, &crate::progress::Bar::new())?;
+    ota::output::keep_outputs();
+    if a.from.json {
+        report::print(CowReport {
+            payload: &a.from.payload,
+            signature: signature_said(&a.from),
+            cow: params,
+            partitions: cows,
+        })?;
+    } else {
+        for c in &cows {
+            let blocks: Vec<String> = c.blocks.iter().map(|(k, n)| format!("{k} {n}")).collect();
+            println!(
+                "wrote {} ({} bytes; blocks: {}) against {}",
+                c.cow.display(),
+                c.cow_bytes,
+                blocks.join(", "),
+                c.base.display()
+            );
+        }
+        println!(
+            "{}: {} COW(s), v{} {} in {}-byte units, signature {}",
+            a.from.payload,
+            cows.len(),
+            params.version,
+            params.compression,
+            params.compression_factor,
+            signature_said(&a.from)
+        );
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 fn info(a: InfoArgs) -> Result<ExitCode> {
@@ -185,24 +276,9 @@ fn verify(a: VerifyArgs) -> Result<ExitCode> {
 }
 
 fn extract(a: ExtractArgs) -> Result<ExitCode> {
-    let req = ota::android::ExtractRequest {
-        source: a.payload.clone(),
-        out_dir: a.out_dir.clone(),
-        partitions: a.partitions.clone(),
-        old_dir: a.old.clone(),
-        keys: if a.no_verify {
-            ota::android::KeyChoice::NoVerify
-        } else {
-            ota::android::KeyChoice::Keys(a.keys.clone())
-        },
-    };
-    let (p, parts) = ota::android::extract(&req, &crate::progress::Bar::new())?;
+    let (p, parts) = ota::android::extract(&request(&a), &crate::progress::Bar::new())?;
     ota::output::keep_outputs();
-    let verified = if a.no_verify {
-        "not checked (--no-verify)"
-    } else {
-        "metadata signature verified"
-    };
+    let verified = signature_said(&a);
     if a.json {
         report::print(ExtractReport {
             payload: &a.payload,
@@ -253,4 +329,15 @@ pub(crate) struct ExtractReport<'a> {
     /// Bytes fetched over HTTP (absent for a local file).
     fetched_bytes: Option<u64>,
     partitions: Vec<ota::android::Extracted>,
+}
+
+/// `vabc payload cow --json`.
+#[derive(Serialize, schemars::JsonSchema)]
+pub(crate) struct CowReport<'a> {
+    payload: &'a str,
+    /// Whether the metadata signature was checked.
+    signature: &'static str,
+    /// The COW parameters used.
+    cow: ::payload::cow::CowParams,
+    partitions: Vec<ota::android::CowMade>,
 }
