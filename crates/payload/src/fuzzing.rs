@@ -528,3 +528,19 @@ fn serve_ranges(conn: std::net::TcpStream, data: &[u8], count: &Ranges) {
         }
     }
 }
+
+/// update_engine's sample payloads and images (tests/vectors/update_engine/,
+/// PROVENANCE.md there), unpacked into `dir` with `tar`: `full_payload.bin`,
+/// `delta_payload.bin`, and under `images/` the old images (`disk_ext2_4k_empty.img`
+/// for kernel, `disk_sqfs_empty.img` for root) and the new ones (`disk_ext2_4k.img`,
+/// `disk_sqfs_default.img`).
+pub fn update_engine_samples(dir: &std::path::Path) {
+    let vectors =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/vectors/update_engine");
+    let images = dir.join("images");
+    std::fs::create_dir_all(&images).expect("create the images folder");
+    let payloads = vectors.join("sample_payloads.tar.xz");
+    let imgs = vectors.join("sample_images.tar.bz2");
+    run("tar", &["-xJf", s(&payloads), "-C", s(dir)], &[]);
+    run("tar", &["-xjf", s(&imgs), "-C", s(&images)], &[]);
+}

@@ -449,3 +449,41 @@ fn a_false_or_repeated_merge_operation_is_refused() {
         );
     }
 }
+
+#[test]
+fn update_engines_own_payloads_reproduce_their_target_images() {
+    let dir = tempfile::tempdir().unwrap();
+    fuzzing::update_engine_samples(dir.path());
+    let img = |n: &str| std::fs::read(dir.path().join("images").join(n)).unwrap();
+    let want = vec![
+        ("kernel".to_string(), img("disk_ext2_4k.img")),
+        ("root".to_string(), img("disk_sqfs_default.img")),
+    ];
+    let open = |n: &str| {
+        Payload::open(Source::open(dir.path().join(n).to_str().unwrap()).unwrap()).unwrap()
+    };
+    let full = open("full_payload.bin");
+    assert_eq!(apply_all(&full, &[], Trust::Unverified).unwrap(), want);
+    let delta = open("delta_payload.bin");
+    assert_eq!(delta.minor_version(), 6);
+    let (k, r) = (img("disk_ext2_4k_empty.img"), img("disk_sqfs_empty.img"));
+    let got = apply_all(&delta, &[("kernel", &k), ("root", &r)], Trust::Unverified).unwrap();
+    assert_eq!(got, want);
+    let ops = &payload::info::Info::of(&delta).partitions[0].operations_by_type;
+    for t in ["BROTLI_BSDIFF", "SOURCE_COPY", "ZERO", "REPLACE_BZ"] {
+        assert!(ops.contains_key(t), "{t}: {ops:?}");
+    }
+    // Its kernel as a COW: every block the payload writes is REPLACE or ZERO (this
+    // payload has no merge operations), the unchanged blocks no op.
+    let part = delta.partition("kernel").unwrap().clone();
+    let plan = payload::cow::plan(
+        &delta,
+        &part,
+        &delta::MemImage::new("old", k.clone()),
+        &delta::MemImage::new("new", want[0].1.clone()),
+    )
+    .unwrap();
+    let c = plan.census;
+    assert_eq!(c.copy + c.xor, 0);
+    assert_eq!(c.zero + c.replace + c.unchanged, 1024);
+}

@@ -444,3 +444,61 @@ fn an_incremental_payload_becomes_cows_that_apply_and_merge_to_the_new_image() {
     );
     assert!(err.contains("extract it instead"), "{err}");
 }
+
+#[test]
+fn update_engines_delta_payload_becomes_a_cow_that_serves_and_merges_its_target() {
+    use serve_common::{Server, os};
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    fuzzing::update_engine_samples(d);
+    let (old_dir, out) = (d.join("old"), d.join("out"));
+    std::fs::create_dir_all(&old_dir).unwrap();
+    std::fs::create_dir_all(&out).unwrap();
+    let base = old_dir.join("kernel.img");
+    std::fs::copy(d.join("images/disk_ext2_4k_empty.img"), &base).unwrap();
+    let want = std::fs::read(d.join("images/disk_ext2_4k.img")).unwrap();
+    let delta = d.join("delta_payload.bin");
+    let v = json(&ok(&[
+        "payload",
+        "cow",
+        "--json",
+        "--no-verify",
+        "-p",
+        "kernel",
+        "--old",
+        s(&old_dir),
+        "-o",
+        s(&out),
+        s(&delta),
+    ]));
+    // No VABC metadata in this payload: update_engine's defaults.
+    assert_eq!(
+        (
+            v["cow"]["version"].as_u64(),
+            v["cow"]["compression"].as_str()
+        ),
+        (Some(2), Some("gz")),
+        "{v}"
+    );
+    let cow = out.join("kernel.cow");
+    ok(&["inspect", "--verify-merge", s(&cow)]);
+    // Served (FUSE, the manifest's base check), it reads as the target image.
+    let fuse = d.join("fuse");
+    std::fs::create_dir_all(&fuse).unwrap();
+    {
+        let _server = Server::start(&[
+            os("--base"),
+            os(&base),
+            os("--cow"),
+            os(&cow),
+            os("--fuse"),
+            os(&fuse),
+        ]);
+        assert!(
+            std::fs::read(fuse.join("disk.img")).unwrap() == want,
+            "served"
+        );
+    }
+    ok(&["merge", "--base", s(&base), "--cow", s(&cow)]);
+    assert!(std::fs::read(&base).unwrap() == want, "merged");
+}
