@@ -15,6 +15,9 @@ OUT=crates/payload/tests/vectors/update_engine
 VECTORS=(
 	"sample_images/sample_payloads.tar.xz eb589ba69937c84aa122e210ff8d710fb63ecba5"
 	"sample_images/sample_images.tar.bz2 7965d8b5c12adbf105135aef1b6a438a16694dae"
+	"scripts/update_payload/payload-test-key.pem 342e9237681686c4b4ee9a7ddd33ddc966807df2"
+	"scripts/update_payload/payload-test-key.pub fdae963e9f649ddf61110abfe4c7b514c549916c"
+	"unittest_key_EC.pem 9e65a68a3693ec8feb91b6e836409a2d498586a9"
 )
 for v in "${VECTORS[@]}"; do
 	read -r path blob <<<"$v"

@@ -111,12 +111,18 @@ impl Builder {
 
     /// The payload's bytes, signed by `signer` when one is given.
     pub fn finish(mut self, signer: Option<Signer<'_>>) -> Vec<u8> {
+        // An EC signature's DER length varies by a few bytes: every signature is
+        // padded to one size, with its own length beside it, as update_engine does.
+        let pad_to = signer.map_or(0, |s| s(&[0; 32]).len() + 8);
         let wrap = |sig: Vec<u8>| {
+            let n = sig.len() as u32;
+            let mut data = sig;
+            data.resize(pad_to.max(data.len()), 0);
             Signatures {
                 signatures: vec![Signature {
                     version: None,
-                    unpadded_signature_size: Some(sig.len() as u32),
-                    data: Some(sig),
+                    unpadded_signature_size: Some(n),
+                    data: Some(data),
                 }],
             }
             .encode_to_vec()
@@ -204,9 +210,17 @@ pub fn openssl_key(dir: &std::path::Path, name: &str) -> (std::path::PathBuf, st
     (key, public)
 }
 
-/// Signs a SHA-256 as update_engine's signer does: the DER DigestInfo prefix and the
-/// hash, signed raw with PKCS#1 v1.5 padding by `openssl pkeyutl` (`rsautl -sign`).
+/// Signs a SHA-256 as update_engine's signer does. RSA: the DER DigestInfo prefix and
+/// the hash, signed raw with PKCS#1 v1.5 padding by `openssl pkeyutl` (`rsautl
+/// -sign`). EC: the hash signed by `openssl pkeyutl` (a DER ECDSA signature).
 pub fn openssl_sign(key: &std::path::Path, hash: &[u8; 32]) -> Vec<u8> {
+    let pem = std::fs::read_to_string(key).unwrap_or_default();
+    let ec = run("openssl", &["pkey", "-in", s(key), "-noout", "-text"], &[])
+        .windows(5)
+        .any(|w| w == b"ASN1 ");
+    if ec || pem.contains("EC PRIVATE KEY") {
+        return run("openssl", &["pkeyutl", "-sign", "-inkey", s(key)], hash);
+    }
     const SHA256_DIGEST_INFO: [u8; 19] = [
         0x30, 0x31, 0x30, 0x0d, 0x06, 0x09, 0x60, 0x86, 0x48, 0x01, 0x65, 0x03, 0x04, 0x02, 0x01,
         0x05, 0x00, 0x04, 0x20,
@@ -543,4 +557,28 @@ pub fn update_engine_samples(dir: &std::path::Path) {
     let imgs = vectors.join("sample_images.tar.bz2");
     run("tar", &["-xJf", s(&payloads), "-C", s(dir)], &[]);
     run("tar", &["-xjf", s(&imgs), "-C", s(&images)], &[]);
+}
+
+/// The body of the `bspatch` fuzz target: the first two bytes give the old data's
+/// length, the old data follows, then the patch (BSDIFF40 or BSDF2). Nothing may
+/// panic, and nothing larger than 1 MiB may be made.
+pub fn exercise_bspatch(data: &[u8]) {
+    let Some((len, rest)) = data.split_first_chunk::<2>() else {
+        return;
+    };
+    let n = usize::from(u16::from_le_bytes(*len)).min(rest.len());
+    let (old, patch) = rest.split_at(n);
+    if let Ok(new) = crate::bspatch::apply(old, patch, 1 << 20) {
+        assert!(new.len() <= 1 << 20);
+    }
+}
+
+/// A `bspatch` fuzz input: `old` and `patch` as [`exercise_bspatch`] reads them.
+pub fn bspatch_input(old: &[u8], patch: &[u8]) -> Vec<u8> {
+    let mut v = (old.len().min(u16::MAX as usize) as u16)
+        .to_le_bytes()
+        .to_vec();
+    v.extend_from_slice(&old[..old.len().min(u16::MAX as usize)]);
+    v.extend_from_slice(patch);
+    v
 }

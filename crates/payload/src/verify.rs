@@ -1,6 +1,7 @@
 //! The payload's two signatures, checked as update_engine checks them: RSA PKCS#1 v1.5
 //! over a SHA-256 (the padded hash signed raw, `openssl rsautl -sign` style), through
-//! the `rsa` crate.
+//! the `rsa` crate, or ECDSA P-256 over the SHA-256 (a DER signature, padded to a
+//! fixed size with its length in `unpadded_signature_size`), through `p256`.
 //!
 //! - The **metadata signature** covers the header and the manifest. The manifest
 //!   holds every operation's data hash and each partition's old and new hash, so once
@@ -11,7 +12,6 @@
 
 use rsa::PublicKey as RsaPublicKey;
 use rsa::pkcs1::DecodeRsaPublicKey as _;
-use rsa::pkcs8::DecodePublicKey as _;
 use sha2::{Digest as _, Sha256};
 
 use prost::Message as _;
@@ -20,13 +20,36 @@ use crate::error::{Error, Result};
 use crate::format::{HEADER_LEN, Payload};
 use crate::proto::Signatures;
 
+/// One public key.
+#[derive(Debug, Clone)]
+enum Key {
+    Rsa(RsaPublicKey),
+    Ec(p256::ecdsa::VerifyingKey),
+}
+
+impl Key {
+    fn verifies(&self, hash: &[u8; 32], sig: &[u8]) -> bool {
+        match self {
+            Key::Rsa(k) => k
+                .verify(rsa::Pkcs1v15Sign::new::<Sha256>(), hash, sig)
+                .is_ok(),
+            Key::Ec(k) => {
+                use p256::ecdsa::signature::hazmat::PrehashVerifier as _;
+                p256::ecdsa::Signature::from_der(sig)
+                    .is_ok_and(|s| k.verify_prehash(hash, &s).is_ok())
+            }
+        }
+    }
+}
+
 /// Public keys, any of which may have signed.
 #[derive(Debug, Clone, Default)]
-pub struct Keys(Vec<RsaPublicKey>);
+pub struct Keys(Vec<Key>);
 
 impl Keys {
-    /// Reads a PEM file: `PUBLIC KEY` (as update_engine's `update-payload-key.pub.pem`
-    /// and `openssl rsa -pubout` write it) or `RSA PUBLIC KEY`.
+    /// Reads a PEM file: `PUBLIC KEY` (RSA as update_engine's
+    /// `update-payload-key.pub.pem` and `openssl rsa -pubout` write it, or EC P-256 as
+    /// `openssl ec -pubout` writes it) or `RSA PUBLIC KEY`.
     pub fn from_pem_file(path: &std::path::Path) -> Result<Keys> {
         let text = std::fs::read_to_string(path).map_err(vabc_io::error::on("read", path))?;
         Keys::from_pem(&text).map_err(|e| Error::signature(format!("{}: {e}", path.display())))
@@ -34,13 +57,21 @@ impl Keys {
 
     /// Parses a PEM key.
     pub fn from_pem(text: &str) -> Result<Keys> {
-        let key = RsaPublicKey::from_public_key_pem(text)
+        use p256::pkcs8::DecodePublicKey as _;
+        let key = match RsaPublicKey::from_public_key_pem(text)
             .or_else(|_| RsaPublicKey::from_pkcs1_pem(text))
-            .map_err(|e| {
-                Error::signature(format!(
-                    "not an RSA public key in PEM (PUBLIC KEY or RSA PUBLIC KEY): {e}"
-                ))
-            })?;
+        {
+            Ok(k) => Key::Rsa(k),
+            Err(rsa_error) => match p256::ecdsa::VerifyingKey::from_public_key_pem(text) {
+                Ok(k) => Key::Ec(k),
+                Err(_) => {
+                    return Err(Error::signature(format!(
+                        "not an RSA or EC P-256 public key in PEM (PUBLIC KEY or RSA PUBLIC \
+                         KEY): {rsa_error}"
+                    )));
+                }
+            },
+        };
         Ok(Keys(vec![key]))
     }
 
@@ -71,12 +102,7 @@ impl Keys {
                 Some(n) if (n as usize) <= data.len() => &data[..n as usize],
                 _ => data,
             };
-            let scheme = || rsa::Pkcs1v15Sign::new::<Sha256>();
-            if self
-                .0
-                .iter()
-                .any(|k| k.verify(scheme(), hash, data).is_ok())
-            {
+            if self.0.iter().any(|k| k.verifies(hash, data)) {
                 return Ok(());
             }
         }

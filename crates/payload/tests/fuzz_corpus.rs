@@ -27,6 +27,46 @@ fn seeds() -> Vec<(String, Vec<u8>)> {
     out
 }
 
+/// bspatch seeds: a BSDIFF40 patch made by the `bsdiff` tool, the same in BSDF2 with
+/// brotli streams, and a damaged copy of each.
+fn bspatch_seeds() -> Vec<(String, Vec<u8>)> {
+    let dir = tempfile::tempdir().unwrap();
+    let old = payload::fuzzing::image(7, 2);
+    let mut new = old.clone();
+    new[100..200].fill(7);
+    new.splice(3000..3000, *b"moved");
+    new.truncate(old.len());
+    let p40 = payload::fuzzing::bsdiff_tool(dir.path(), &old, &new);
+    let p2 = payload::fuzzing::bsdf2_from_bsdiff40(&p40);
+    let mut out = Vec::new();
+    for (name, p) in [("bsdiff40", p40), ("bsdf2", p2)] {
+        out.push((name.to_string(), payload::fuzzing::bspatch_input(&old, &p)));
+        let mut bad = p.clone();
+        let at = bad.len() / 2;
+        bad[at] ^= 0x10;
+        out.push((
+            format!("{name}_damaged"),
+            payload::fuzzing::bspatch_input(&old, &bad),
+        ));
+    }
+    out
+}
+
+#[test]
+fn bspatch_corpus_replays_without_panics() {
+    let inputs = replay::inputs("bspatch");
+    assert!(!inputs.is_empty(), "empty corpus");
+    for input in inputs {
+        payload::fuzzing::exercise_bspatch(&input);
+    }
+}
+
+#[test]
+#[ignore = "regenerates fuzz/corpus/bspatch/seed_*"]
+fn generate_bspatch_seed_corpus() {
+    replay::write_seeds("bspatch", bspatch_seeds());
+}
+
 #[test]
 fn corpus_replays_without_panics() {
     let inputs = replay::inputs("payload_read");
@@ -51,6 +91,35 @@ fn seeds_behave() {
             "full" | "incremental" | "truncated" => assert!(r.is_ok(), "{name}"),
             "magic" | "version" | "manifest_len" => assert!(r.is_err(), "{name}"),
             _ => {}
+        }
+    }
+}
+
+/// A few thousand random byte changes of the seeds, every run: a cheap fuzzer between
+/// libFuzzer runs.
+#[test]
+fn random_damage_to_the_seeds_never_panics() {
+    let mut rng = fastrand::Rng::with_seed(45);
+    let mut damage = |seed: &[u8]| {
+        let mut b = seed.to_vec();
+        for _ in 0..rng.usize(1..8) {
+            let at = rng.usize(..b.len());
+            match rng.u8(..3) {
+                0 => b[at] = rng.u8(..),
+                1 => b[at] ^= 1 << rng.u8(..8),
+                _ => b.truncate(at.max(1)),
+            }
+        }
+        b
+    };
+    for (_, s) in seeds() {
+        for _ in 0..150 {
+            payload::fuzzing::exercise_read(&damage(&s));
+        }
+    }
+    for (_, s) in bspatch_seeds() {
+        for _ in 0..500 {
+            payload::fuzzing::exercise_bspatch(&damage(&s));
         }
     }
 }

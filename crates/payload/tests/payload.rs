@@ -134,7 +134,7 @@ fn any_changed_byte_or_another_key_is_refused() {
     // trusts the key refuses all but the last before writing.
     for (what, at) in [
         ("manifest", 60usize),
-        ("metadata signature", data_at - 10),
+        ("metadata signature", data_at - 100),
         ("data", data_at + 5000),
         ("payload signature", sig_at as usize + 40),
     ] {
@@ -486,4 +486,43 @@ fn update_engines_own_payloads_reproduce_their_target_images() {
     let c = plan.census;
     assert_eq!(c.copy + c.xor, 0);
     assert_eq!(c.zero + c.replace + c.unchanged, 1024);
+}
+
+#[test]
+fn update_engines_test_keys_sign_and_verify_rsa_and_ec() {
+    let v = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/vectors/update_engine");
+    let dir = tempfile::tempdir().unwrap();
+    let ec_pub = dir.path().join("ec.pub.pem");
+    let ec = v.join("unittest_key_EC.pem");
+    fuzzing::run(
+        "openssl",
+        &[
+            "pkey",
+            "-in",
+            ec.to_str().unwrap(),
+            "-pubout",
+            "-out",
+            ec_pub.to_str().unwrap(),
+        ],
+        &[],
+    );
+    let rsa = v.join("payload-test-key.pem");
+    for (private, public) in [(rsa, v.join("payload-test-key.pub")), (ec, ec_pub)] {
+        let sign = |h: &[u8; 32]| fuzzing::openssl_sign(&private, h);
+        let (bytes, _) = fuzzing::sample_full(Some(&sign));
+        let p = open_bytes(&bytes).unwrap();
+        let keys = Keys::from_pem_file(&public).unwrap();
+        payload::verify::verify_metadata(&p, &keys).unwrap();
+        payload::verify::verify_payload(&p, &keys, &|_| {}).unwrap();
+        // A byte of the manifest changed: refused under either key type.
+        let mut bad = bytes.clone();
+        bad[40] ^= 1;
+        if let Ok(p) = open_bytes(&bad) {
+            assert!(
+                payload::verify::verify_metadata(&p, &keys).is_err(),
+                "{}",
+                public.display()
+            );
+        }
+    }
 }
