@@ -137,7 +137,7 @@ inc() { # TOOL OUTDIR
 	case $1 in
 	vabc) "$VABC" --no-progress payload extract --no-verify --old "$S/old" -o "$2" "$S/delta_payload.bin" ;;
 	pd-python) "$PD_PY" --diff --old "$S/old" --out "$2" "$S/delta_payload.bin" ;;
-	pd-rust) "$PD_RS" --diff --old "$S/old" --out "$2" "$S/delta_payload.bin" ;;
+	pd-rust) "$PD_RS" --source-dir "$S/old" --out "$2" "$S/delta_payload.bin" ;;
 	esac
 }
 {

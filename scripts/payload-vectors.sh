@@ -18,6 +18,13 @@ VECTORS=(
 	"scripts/update_payload/payload-test-key.pem 342e9237681686c4b4ee9a7ddd33ddc966807df2"
 	"scripts/update_payload/payload-test-key.pub fdae963e9f649ddf61110abfe4c7b514c549916c"
 	"unittest_key_EC.pem 9e65a68a3693ec8feb91b6e836409a2d498586a9"
+	"testdata/cycle_nodes_product.bin 0042934c93a461f697e501de8fa65878857f21ed"
+	"testdata/cycle_nodes_product_no_xor.bin 44ed4fc844c62c3e1354b0444cc209c609cb7ca7"
+	"testdata/cycle_nodes_system.bin d1fc0be65024ada61f16a726f5a2fd38d781d8b2"
+	"testdata/cycle_nodes_system_dlkm.bin 1e6bdb70de8c06c2a8f84be1530e8a377e9c842b"
+	"testdata/cycle_nodes_system_ext.bin 80ab0494745e53b6a70d619bd422000610f3c75a"
+	"testdata/cycle_nodes_vendor.bin a5f72d953dedfe096548bd43edf2c7eaf95f0717"
+	"testdata/cycle_nodes_vendor_dlkm.bin 88e6afcc5f5e272af079a2ea985a6c96d0e8ce8d"
 )
 for v in "${VECTORS[@]}"; do
 	read -r path blob <<<"$v"

@@ -96,37 +96,166 @@ pub fn apply_partition(
     out.set_len(new)
         .map_err(vabc_io::error::on("size", out_name))?;
 
+    // Operations are made on all CPUs and written by one thread: buffered writes to
+    // one file take its inode lock, and writers on several CPUs spent more time
+    // waiting for it than writing. The image is hashed while it is made: a thread
+    // follows the end of the written prefix (operations finish out of order), so
+    // hashing overlaps the decompression instead of rereading the image after it.
+    let mark = Watermark::default();
     let failed = AtomicBool::new(false);
-    part.operations
-        .par_iter()
-        .enumerate()
-        .try_for_each(|(index, op)| {
-            if failed.load(Ordering::Relaxed) {
-                return Ok(());
+    let (applied, written, hashed) = std::thread::scope(|sc| {
+        let hasher = new_hash
+            .as_ref()
+            .map(|_| sc.spawn(|| mark.hash(out, out_name, new, bs)));
+        let (tx, rx) = std::sync::mpsc::sync_channel::<(usize, Vec<u8>)>(4);
+        let writer = sc.spawn(|| -> Result<()> {
+            for (index, data) in rx {
+                let runs = &part.operations[index].dst_extents;
+                if let Err(e) = write_runs(out, out_name, runs, &data, bs, new) {
+                    failed.store(true, Ordering::Relaxed);
+                    return Err(e);
+                }
+                mark.written(runs);
+                progress(blocks(runs));
             }
-            let r = apply_op(p, name, index, op, old.as_ref(), out, out_name, bs, new);
-            if r.is_err() {
-                failed.store(true, Ordering::Relaxed);
-            } else {
-                progress(blocks(&op.dst_extents));
-            }
-            r
-        })?;
-
-    if let Some(want) = new_hash {
-        let got = hash_file(out, out_name, new)?;
-        if got.as_slice() != want.as_slice() {
-            return Err(Error::partition(
-                name,
-                format!(
-                    "the new partition's SHA-256 is {}, the manifest says {}",
-                    hex::encode(got),
-                    hex::encode(want)
-                ),
-            ));
-        }
+            Ok(())
+        });
+        let applied =
+            part.operations
+                .par_iter()
+                .enumerate()
+                .try_for_each_with(tx, |tx, (index, op)| {
+                    if failed.load(Ordering::Relaxed) {
+                        return Ok(());
+                    }
+                    match make_op(p, name, index, op, old.as_ref(), bs) {
+                        Ok(Some(data)) => {
+                            // A closed channel: the writer failed, and says why.
+                            let _ = tx.send((index, data));
+                            Ok(())
+                        }
+                        Ok(None) => {
+                            mark.written(&op.dst_extents);
+                            progress(blocks(&op.dst_extents));
+                            Ok(())
+                        }
+                        Err(e) => {
+                            failed.store(true, Ordering::Relaxed);
+                            Err(e)
+                        }
+                    }
+                });
+        // Every sender is gone once the loop returns: the writer drains and ends.
+        let written = writer
+            .join()
+            .unwrap_or_else(|e| std::panic::resume_unwind(e));
+        mark.finish(applied.is_ok() && written.is_ok());
+        let hashed = hasher.map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)));
+        (applied, written, hashed)
+    });
+    applied?;
+    written?;
+    if let (Some(want), Some(got)) = (new_hash, hashed.transpose()?.flatten())
+        && got.as_slice() != want.as_slice()
+    {
+        return Err(Error::partition(
+            name,
+            format!(
+                "the new partition's SHA-256 is {}, the manifest says {}",
+                hex::encode(got),
+                hex::encode(want)
+            ),
+        ));
     }
     Ok(())
+}
+
+/// The written prefix of the new partition, for the hashing thread: operations
+/// report their destination runs as they finish, in any order.
+#[derive(Default)]
+struct Watermark {
+    state: std::sync::Mutex<MarkState>,
+    moved: std::sync::Condvar,
+}
+
+#[derive(Default)]
+struct MarkState {
+    /// Blocks `[0, mark)` are written.
+    mark: u64,
+    /// Written runs past the mark: start -> end.
+    ahead: std::collections::BTreeMap<u64, u64>,
+    /// Every operation ended: `Some(true)` all applied, `Some(false)` one failed.
+    ended: Option<bool>,
+}
+
+impl Watermark {
+    fn lock(&self) -> std::sync::MutexGuard<'_, MarkState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn written(&self, extents: &[Extent]) {
+        let mut guard = self.lock();
+        let s = &mut *guard;
+        for e in extents {
+            s.ahead.insert(e.start(), e.start() + e.len());
+        }
+        let before = s.mark;
+        while let Some(end) = s.ahead.remove(&s.mark) {
+            s.mark = end;
+        }
+        if s.mark != before {
+            self.moved.notify_all();
+        }
+    }
+
+    fn finish(&self, ok: bool) {
+        self.lock().ended = Some(ok);
+        self.moved.notify_all();
+    }
+
+    /// SHA-256 of the first `size` bytes of `f`, read as they are written; `None`
+    /// when an operation failed.
+    fn hash(
+        &self,
+        f: &File,
+        path: &std::path::Path,
+        size: u64,
+        bs: u64,
+    ) -> Result<Option<[u8; 32]>> {
+        use sha2::Digest as _;
+        use std::os::fd::AsRawFd as _;
+        // Reads of the written prefix must not read ahead into blocks not written yet
+        // (holes the kernel would fill with zero pages, then the writes replace).
+        // SAFETY: posix_fadvise only takes the descriptor and advice; no memory is
+        // passed.
+        unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_RANDOM) };
+        let mut h = sha2::Sha256::new();
+        let mut buf = vec![0u8; 1 << 20];
+        let mut at = 0u64;
+        while at < size {
+            // Wait for bytes past `at`; once every operation ended, the rest (blocks
+            // no operation writes) are whatever the file holds.
+            let upto = {
+                let mut s = self.lock();
+                loop {
+                    match s.ended {
+                        Some(false) => return Ok(None),
+                        Some(true) => break size,
+                        None if s.mark * bs > at => break (s.mark * bs).min(size),
+                        None => s = self.moved.wait(s).unwrap_or_else(|p| p.into_inner()),
+                    }
+                }
+            };
+            while at < upto {
+                let n = (upto - at).min(buf.len() as u64) as usize;
+                FileExt::read_exact_at(f, &mut buf[..n], at)
+                    .map_err(|e| vabc_io::Error::new("read", path, e).at(at))?;
+                h.update(&buf[..n]);
+                at += n as u64;
+            }
+        }
+        Ok(Some(h.finalize().into()))
+    }
 }
 
 /// Total blocks of `extents`.
@@ -250,17 +379,16 @@ fn check_ops(
 }
 
 #[allow(clippy::too_many_arguments)]
-fn apply_op(
+/// The bytes operation `index` writes to its destination runs, in order (`None`: zeros,
+/// which a new file holds already).
+fn make_op(
     p: &Payload,
     name: &str,
     index: usize,
     op: &InstallOperation,
     old: Option<&Old<'_>>,
-    out: &File,
-    out_name: &std::path::Path,
     bs: u64,
-    new_size: u64,
-) -> Result<()> {
+) -> Result<Option<Vec<u8>>> {
     let kind = op_name(op);
     let bad = |what: String| Error::Op {
         partition: name.to_string(),
@@ -272,17 +400,31 @@ fn apply_op(
     let dst_len = blocks(&op.dst_extents) * bs;
     let data = p.op_data(name, index, op)?;
     let limited = |r: &mut dyn std::io::Read, what: &str| -> Result<Vec<u8>> {
-        let mut v = Vec::new();
+        // The whole output at once: no regrowth, no copy.
+        let mut v = Vec::with_capacity(usize::try_from(dst_len + 1).unwrap_or(0).min(64 << 20));
         r.take(dst_len + 1)
             .read_to_end(&mut v)
             .map_err(|e| bad(format!("its {what} data does not decompress: {e}")))?;
         Ok(v)
     };
     let new: Vec<u8> = match t {
-        OpType::Zero | OpType::Discard => return Ok(()),
+        OpType::Zero | OpType::Discard => return Ok(None),
         OpType::Replace => data,
         OpType::ReplaceBz => limited(&mut bzip2::read::BzDecoder::new(&data[..]), "bzip2")?,
-        OpType::ReplaceXz => limited(&mut liblzma::read::XzDecoder::new(&data[..]), "xz")?,
+        OpType::ReplaceXz => {
+            // xz's own check (CRC64, a tenth of the decoding time) is skipped when the
+            // data's SHA-256 was checked above; without one it is what checks.
+            let flags = match op.data_sha256_hash {
+                Some(_) => liblzma::stream::IGNORE_CHECK,
+                None => 0,
+            };
+            let stream = liblzma::stream::Stream::new_stream_decoder(u64::MAX, flags)
+                .map_err(|e| bad(format!("cannot start xz: {e}")))?;
+            limited(
+                &mut liblzma::read::XzDecoder::new_stream(&data[..], stream),
+                "xz",
+            )?
+        }
         OpType::ReplaceZstd => limited(
             &mut zstd::stream::read::Decoder::new(&data[..])
                 .map_err(|e| bad(format!("its zstd data does not open: {e}")))?,
@@ -328,14 +470,25 @@ fn apply_op(
             blocks(&op.dst_extents)
         )));
     }
+    Ok(Some(new))
+}
+
+/// Writes `new` to `extents` of `out`; the last block may lie past the partition's
+/// end (a size not a multiple of the block size): only what is inside is written.
+fn write_runs(
+    out: &File,
+    out_name: &std::path::Path,
+    extents: &[Extent],
+    new: &[u8],
+    bs: u64,
+    new_size: u64,
+) -> Result<()> {
     let mut at = 0usize;
-    for e in &op.dst_extents {
+    for e in extents {
         if at >= new.len() {
             break;
         }
         let off = e.start() * bs;
-        // The last block may lie past the partition's end (a size not a multiple of
-        // the block size): only what is inside is written.
         let n = ((e.len() * bs) as usize)
             .min(new.len() - at)
             .min(new_size.saturating_sub(off) as usize);
@@ -360,20 +513,4 @@ fn read_extents(old: &Old<'_>, extents: &[Extent], bs: u64) -> std::io::Result<V
         at += n;
     }
     Ok(v)
-}
-
-/// SHA-256 of the first `size` bytes of `f`.
-pub fn hash_file(f: &File, path: &std::path::Path, size: u64) -> Result<[u8; 32]> {
-    use sha2::Digest as _;
-    let mut h = sha2::Sha256::new();
-    let mut buf = vec![0u8; 4 << 20];
-    let mut at = 0u64;
-    while at < size {
-        let n = (size - at).min(buf.len() as u64) as usize;
-        FileExt::read_exact_at(f, &mut buf[..n], at)
-            .map_err(|e| vabc_io::Error::new("read", path, e).at(at))?;
-        h.update(&buf[..n]);
-        at += n as u64;
-    }
-    Ok(h.finalize().into())
 }

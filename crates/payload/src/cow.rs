@@ -88,81 +88,29 @@ pub fn plan(
             };
         }
     }
-    let mut claimed = vec![false; nb];
-    let mut sequence = Vec::new();
     let (mut oldb, mut newb) = (vec![0u8; BS as usize], vec![0u8; BS as usize]);
-    for (index, m) in part.merge_operations.iter().enumerate() {
-        let bad = |what: String| Error::partition(name, format!("merge operation {index}: {what}"));
-        let t = CowMergeType::try_from(m.r#type.unwrap_or(0))
-            .map_err(|_| bad(format!("unknown type {}", m.r#type.unwrap_or(0))))?;
-        if t == CowMergeType::CowReplace {
-            continue;
-        }
-        let (Some(src), Some(dst)) = (&m.src_extent, &m.dst_extent) else {
-            return Err(bad("it has no source or destination".into()));
-        };
-        let offset = u64::from(m.src_offset.unwrap_or(0));
-        if offset >= BS || (t == CowMergeType::CowCopy && offset != 0) {
-            return Err(bad(format!("source offset {offset} is not allowed")));
-        }
-        let extra = u64::from(offset != 0);
-        let in_new = dst
-            .start()
-            .checked_add(dst.len())
-            .is_some_and(|e| e <= new_blocks);
-        let in_old = src
-            .start()
-            .checked_add(dst.len() + extra)
-            .is_some_and(|e| e <= old_blocks);
-        if dst.is_empty() || !in_new || !in_old {
-            return Err(bad(format!(
-                "blocks {}+{} from {}+{} are outside the partitions",
-                dst.start(),
-                dst.len(),
-                src.start(),
-                dst.len()
-            )));
-        }
-        // A shift forward over itself is merged from its end.
-        let pairs: Vec<(u64, u64)> = (0..dst.len())
-            .map(|i| (dst.start() + i, src.start() + i))
-            .collect();
-        let ordered: Box<dyn Iterator<Item = &(u64, u64)>> = if src.start() < dst.start() {
-            Box::new(pairs.iter().rev())
-        } else {
-            Box::new(pairs.iter())
-        };
-        for &(d, s) in ordered {
-            let di = d as usize;
-            if std::mem::replace(&mut claimed[di], true) {
+    let mut sequence = Vec::new();
+    for (index, d, op) in claimed_blocks(name, &part.merge_operations, old_blocks, new_blocks)? {
+        let di = d as usize;
+        if let BlockOp::Copy { src_block: s } = op {
+            let bad =
+                |what: String| Error::partition(name, format!("merge operation {index}: {what}"));
+            old.read_at(&mut oldb, s * BS)
+                .map_err(|e| bad(e.to_string()))?;
+            new.read_at(&mut newb, d * BS)
+                .map_err(|e| bad(e.to_string()))?;
+            if oldb != newb {
                 return Err(bad(format!(
-                    "block {d} is in an earlier merge operation too"
+                    "it copies old block {s} to block {d}, but the new block differs"
                 )));
             }
-            let op = match t {
-                CowMergeType::CowCopy => {
-                    old.read_at(&mut oldb, s * BS)
-                        .map_err(|e| bad(e.to_string()))?;
-                    new.read_at(&mut newb, d * BS)
-                        .map_err(|e| bad(e.to_string()))?;
-                    if oldb != newb {
-                        return Err(bad(format!(
-                            "it copies old block {s} to block {d}, but the new block differs"
-                        )));
-                    }
-                    if s == d {
-                        ops[di] = None;
-                        continue;
-                    }
-                    BlockOp::Copy { src_block: s }
-                }
-                _ => BlockOp::Xor {
-                    src_offset: s * BS + offset,
-                },
-            };
-            ops[di] = Some(op);
-            sequence.push(d);
+            if s == d {
+                ops[di] = None;
+                continue;
+            }
         }
+        ops[di] = Some(op);
+        sequence.push(d);
     }
     // A block with no op must be the base's.
     for (d, op) in ops.iter_mut().enumerate() {
@@ -206,6 +154,78 @@ pub fn plan(
         index_bytes: 0,
         hints: Vec::new(),
     })
+}
+
+/// The blocks that `merge_operations` make COPY and XOR ops of, in merge order, each
+/// with the index of its merge operation: each
+/// operation's blocks in turn, a forward shift over itself from its end. Checked: a
+/// type and source offset update_engine writes, every block inside the partitions
+/// (`old_blocks`, `new_blocks`), none claimed twice.
+pub fn claimed_blocks(
+    name: &str,
+    merge_operations: &[crate::proto::CowMergeOperation],
+    old_blocks: u64,
+    new_blocks: u64,
+) -> Result<Vec<(usize, u64, BlockOp)>> {
+    let mut claimed = std::collections::HashSet::new();
+    let mut out = Vec::new();
+    for (index, m) in merge_operations.iter().enumerate() {
+        let bad = |what: String| Error::partition(name, format!("merge operation {index}: {what}"));
+        let t = CowMergeType::try_from(m.r#type.unwrap_or(0))
+            .map_err(|_| bad(format!("unknown type {}", m.r#type.unwrap_or(0))))?;
+        if t == CowMergeType::CowReplace {
+            continue;
+        }
+        let (Some(src), Some(dst)) = (&m.src_extent, &m.dst_extent) else {
+            return Err(bad("it has no source or destination".into()));
+        };
+        let offset = u64::from(m.src_offset.unwrap_or(0));
+        if offset >= BS || (t == CowMergeType::CowCopy && offset != 0) {
+            return Err(bad(format!("source offset {offset} is not allowed")));
+        }
+        let extra = u64::from(offset != 0);
+        let in_new = dst
+            .start()
+            .checked_add(dst.len())
+            .is_some_and(|e| e <= new_blocks);
+        let in_old = src
+            .start()
+            .checked_add(dst.len() + extra)
+            .is_some_and(|e| e <= old_blocks);
+        if dst.is_empty() || !in_new || !in_old {
+            return Err(bad(format!(
+                "blocks {}+{} from {}+{} are outside the partitions",
+                dst.start(),
+                dst.len(),
+                src.start(),
+                dst.len()
+            )));
+        }
+        let pairs = (0..dst.len()).map(|i| (dst.start() + i, src.start() + i));
+        let ordered: Box<dyn Iterator<Item = (u64, u64)>> = if src.start() < dst.start() {
+            Box::new(pairs.rev())
+        } else {
+            Box::new(pairs)
+        };
+        for (d, s) in ordered {
+            if !claimed.insert(d) {
+                return Err(bad(format!(
+                    "block {d} is in an earlier merge operation too"
+                )));
+            }
+            out.push((
+                index,
+                d,
+                match t {
+                    CowMergeType::CowCopy => BlockOp::Copy { src_block: s },
+                    _ => BlockOp::Xor {
+                        src_offset: s * BS + offset,
+                    },
+                },
+            ));
+        }
+    }
+    Ok(out)
 }
 
 /// The blocks of `extents`, in order.

@@ -526,3 +526,66 @@ fn update_engines_test_keys_sign_and_verify_rsa_and_ec() {
         }
     }
 }
+
+/// update_engine's `testdata/cycle_nodes_*.bin`: the merge operations of real
+/// partitions, full of cycles.
+fn cycle_node_sets() -> Vec<(String, payload::proto::PartitionUpdate)> {
+    use prost::Message as _;
+    let v = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/vectors/update_engine");
+    let mut sets: Vec<_> = std::fs::read_dir(&v)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("cycle_nodes_")
+        })
+        .map(|p| {
+            let part =
+                payload::proto::PartitionUpdate::decode(&std::fs::read(&p).unwrap()[..]).unwrap();
+            (p.file_stem().unwrap().to_string_lossy().into_owned(), part)
+        })
+        .collect();
+    sets.sort_by(|a, b| a.0.cmp(&b.0));
+    sets
+}
+
+#[test]
+fn real_partitions_merge_operations_order_safely() {
+    let sets = cycle_node_sets();
+    assert_eq!(sets.len(), 7);
+    for (name, part) in sets {
+        let claimed = payload::cow::claimed_blocks(
+            &name,
+            &part.merge_operations,
+            u64::MAX / 8192,
+            u64::MAX / 8192,
+        )
+        .unwrap();
+        let mut ops: Vec<delta::PlannedOp> = claimed
+            .iter()
+            .map(|&(_, dst, op)| delta::PlannedOp { dst, op })
+            .collect();
+        ops.sort_by_key(|o| o.dst);
+        let order = delta::order::order_merge(&mut ops);
+        let plan = delta::Plan {
+            old_size: 0,
+            new_size: 0,
+            ops,
+            sequence: order.sequence,
+            census: delta::Census::default(),
+            index_bytes: 0,
+            hints: Vec::new(),
+        };
+        cow::merge::verify_order(delta::write::merge_ops(&plan).iter())
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        if name == "cycle_nodes_product" {
+            let xor = claimed
+                .iter()
+                .filter(|c| matches!(c.2, delta::BlockOp::Xor { .. }))
+                .count();
+            assert_eq!((claimed.len() - xor, xor), (645_443, 80_827));
+        }
+    }
+}
