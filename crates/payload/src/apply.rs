@@ -264,6 +264,21 @@ pub fn blocks(extents: &[Extent]) -> u64 {
     extents.iter().fold(0u64, |n, e| n.saturating_add(e.len()))
 }
 
+/// Every run of `extents` non-empty and inside a partition of `blocks` blocks.
+fn inside(extents: &[Extent], blocks: u64, what: &str, which: &str) -> Result<(), String> {
+    for e in extents {
+        let end = e.start().checked_add(e.len());
+        if e.is_empty() || end.is_none_or(|end| end > blocks) {
+            return Err(format!(
+                "{what} blocks {}+{} are outside the {which} partition ({blocks} blocks)",
+                e.start(),
+                e.len()
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Every operation's type supported, extents in bounds and destinations disjoint;
 /// the hashes a verified extraction needs present.
 fn check_ops(
@@ -338,15 +353,8 @@ fn check_ops(
         if op.dst_extents.is_empty() {
             return Err(bad("it writes no block".into()));
         }
+        inside(&op.dst_extents, new_blocks, "destination", "new").map_err(bad)?;
         for e in &op.dst_extents {
-            let end = e.start().checked_add(e.len());
-            if e.is_empty() || end.is_none_or(|end| end > new_blocks) {
-                return Err(bad(format!(
-                    "destination blocks {}+{} are outside the new partition ({new_blocks} blocks)",
-                    e.start(),
-                    e.len()
-                )));
-            }
             for b in e.start()..e.start() + e.len() {
                 let (w, bit) = ((b / 64) as usize, 1u64 << (b % 64));
                 if written[w] & bit != 0 {
@@ -361,16 +369,7 @@ fn check_ops(
             if op.src_extents.is_empty() {
                 return Err(bad("it reads no source block".into()));
             }
-            for e in &op.src_extents {
-                let end = e.start().checked_add(e.len());
-                if e.is_empty() || end.is_none_or(|end| end > old_blocks) {
-                    return Err(bad(format!(
-                        "source blocks {}+{} are outside the old partition ({old_blocks} blocks)",
-                        e.start(),
-                        e.len()
-                    )));
-                }
-            }
+            inside(&op.src_extents, old_blocks, "source", "old").map_err(bad)?;
         } else if !op.src_extents.is_empty() {
             return Err(bad("it names source blocks but reads none".into()));
         }
@@ -378,7 +377,6 @@ fn check_ops(
     Ok(())
 }
 
-#[allow(clippy::too_many_arguments)]
 /// The bytes operation `index` writes to its destination runs, in order (`None`: zeros,
 /// which a new file holds already).
 fn make_op(

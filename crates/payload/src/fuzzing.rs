@@ -582,3 +582,22 @@ pub fn bspatch_input(old: &[u8], patch: &[u8]) -> Vec<u8> {
     v.extend_from_slice(patch);
     v
 }
+
+/// An OTA zip at `zip` holding `payload` as Android stores it (uncompressed, after a
+/// deflated metadata entry), written by Python's `zipfile` as the reference writer.
+pub fn ota_zip(payload: &std::path::Path, zip: &std::path::Path) {
+    run(
+        "python3",
+        &[
+            "-c",
+            "import sys, zipfile\n\
+             z = zipfile.ZipFile(sys.argv[1], 'w')\n\
+             z.writestr('META-INF/com/android/metadata', 'ota-type=AB\\n', zipfile.ZIP_DEFLATED)\n\
+             z.write(sys.argv[2], 'payload.bin', zipfile.ZIP_STORED)\n\
+             z.writestr('payload_properties.txt', 'FILE_SIZE=1\\n', zipfile.ZIP_DEFLATED)\n",
+            s(zip),
+            s(payload),
+        ],
+        &[],
+    );
+}

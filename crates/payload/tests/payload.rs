@@ -175,20 +175,7 @@ fn an_ota_zip_is_read_in_place_and_a_url_by_ranges() {
     let zip = dir.path().join("ota.zip");
     // Python's zipfile as the reference writer, payload.bin stored as Android stores
     // it, after other entries.
-    fuzzing::run(
-        "python3",
-        &[
-            "-c",
-            "import sys, zipfile\n\
-             z = zipfile.ZipFile(sys.argv[1], 'w')\n\
-             z.writestr('META-INF/com/android/metadata', 'ota-type=AB\\n', zipfile.ZIP_DEFLATED)\n\
-             z.write(sys.argv[2], 'payload.bin', zipfile.ZIP_STORED)\n\
-             z.writestr('payload_properties.txt', 'FILE_SIZE=1\\n', zipfile.ZIP_DEFLATED)\n",
-            zip.to_str().unwrap(),
-            bin.to_str().unwrap(),
-        ],
-        &[],
-    );
+    fuzzing::ota_zip(&bin, &zip);
     let z = Payload::open(Source::open(zip.to_str().unwrap()).unwrap()).unwrap();
     assert!(z.source().name().ends_with("ota.zip!payload.bin"));
     assert_eq!(z.source().len(), bytes.len() as u64);

@@ -149,19 +149,7 @@ fn extract_writes_exactly_the_new_images() {
 fn extract_reads_an_ota_zip_at_a_url_fetching_only_the_asked_partition() {
     let f = fixture();
     let zip = f.dir.path().join("ota.zip");
-    fuzzing::run(
-        "python3",
-        &[
-            "-c",
-            "import sys, zipfile\n\
-             z = zipfile.ZipFile(sys.argv[1], 'w')\n\
-             z.writestr('META-INF/com/android/metadata', 'ota-type=AB\\n', zipfile.ZIP_DEFLATED)\n\
-             z.write(sys.argv[2], 'payload.bin', zipfile.ZIP_STORED)\n",
-            s(&zip),
-            s(&f.full),
-        ],
-        &[],
-    );
+    fuzzing::ota_zip(&f.full, &zip);
     let (url, _) = fuzzing::range_server(std::fs::read(&zip).unwrap(), "ota.zip");
     let out = out_dir(&f, "out");
     let v = json(&ok(&[
