@@ -235,10 +235,14 @@ impl Target<'_> {
                 part.payload.length
             );
         }
-        let tmp_cow = self
-            .req
-            .out_dir
-            .join(format!(".{}.cow.installing", part.name));
+        // This process's own name: a killed install's record names its file, and
+        // `vabc cleanup` removes what such a record names; under a shared name it
+        // would remove the file a later install is writing.
+        let tmp_cow = self.req.out_dir.join(format!(
+            ".{}.cow.{}.installing",
+            part.name,
+            std::process::id()
+        ));
         let written = self
             .replay(stream, &tmp_cow, observer)
             .and_then(|()| self.check_cow(&tmp_cow));
@@ -489,13 +493,13 @@ fn read_plan(stream: &mut Stream<'_>, part: &Partition, bundle_path: &Path) -> R
 }
 
 /// What an install killed while it worked on partition `name` left in `dir`: the COW
-/// being written (`.NAME.cow.installing`), the COW writer's temporary file beside it,
+/// being written (`.NAME.cow.PID.installing`), the COW writer's temporary file beside it,
 /// the manifest sidecar's (`.NAME.cow.manifest.*.tmp`) and the hash file's
 /// (`.NAME.verity.*.tmp`); and the saved downloads of this partition other than
 /// `keep` (another bundle's, named by its payload hash).
 pub fn remove_stale(dir: &Path, name: &str, keep: Option<&Path>) -> Result<()> {
-    let installing = format!(".{name}.cow.installing");
-    let writer_temp = format!(".{installing}.");
+    let installing = format!(".{name}.cow.");
+    let writer_temp = format!("..{name}.cow.");
     let sidecar_temp = format!(".{name}.cow.manifest.");
     let tree_temp = format!(".{name}.verity.");
     let spool_prefix = format!(".{name}.payload.");
@@ -511,7 +515,10 @@ pub fn remove_stale(dir: &Path, name: &str, keep: Option<&Path>) -> Result<()> {
         let other_spool = f.starts_with(&spool_prefix)
             && f.ends_with(".part")
             && keep.and_then(Path::file_name) != Some(e.file_name().as_os_str());
-        if f == installing || temp || other_spool {
+        // Any process's (installs into one folder hold its lock: the writer of any
+        // such file is dead), and the name before the process's own (`.NAME.cow.installing`).
+        let cow = f.starts_with(&installing) && f.ends_with(".installing");
+        if cow || temp || other_spool {
             std::fs::remove_file(e.path())
                 .map_err(|err| Error::io("remove the stale", e.path(), err))?;
         }
@@ -747,4 +754,40 @@ pub fn apply(req: &Request<'_>, observer: &dyn Observer) -> Result<Vec<Applied>>
         });
     }
     Ok(outputs)
+}
+
+#[cfg(test)]
+mod tests {
+    /// What a killed install left is removed, whichever process left it, and nothing
+    /// of another partition or any other file.
+    #[test]
+    fn stale_files_of_any_install_of_the_partition_are_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let stale = [
+            ".system.cow.installing",
+            ".system.cow.4242.installing",
+            "..system.cow.4242.installing.Ab12Cd.tmp",
+            ".system.cow.manifest.Ab12Cd.tmp",
+            ".system.verity.Ab12Cd.tmp",
+        ];
+        let kept = [
+            "system.cow",
+            "system.cow.manifest",
+            ".system_ext.cow.4242.installing",
+            ".vendor.cow.4242.installing",
+            "state",
+        ];
+        for f in stale.iter().chain(&kept) {
+            std::fs::write(dir.path().join(f), b"x").unwrap();
+        }
+        super::remove_stale(dir.path(), "system", None).unwrap();
+        let mut left: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        let mut want: Vec<String> = kept.iter().map(|s| s.to_string()).collect();
+        want.sort();
+        assert_eq!(left, want);
+    }
 }

@@ -221,7 +221,7 @@ pub fn on_signal_remove_temps(note: &'static str) -> Result<()> {
                 eprintln!("vabc: interrupted; {note}");
                 // The record first, the files last and the exit at once: the command's
                 // threads run on meanwhile, and one may create a file it registered
-                // before it made it (an install's `.NAME.cow.installing`) between the
+                // before it made it (an install's `.NAME.cow.PID.installing`) between the
                 // removal and the end. That window is a few unlink calls wide.
                 *RECORD.lock().unwrap_or_else(|p| p.into_inner()) = None;
                 remove_locked(&mut pending);

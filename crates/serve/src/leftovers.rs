@@ -69,7 +69,7 @@ pub struct Record {
 
 /// Whether `path` has a name vabc gives its temporary files and folders: a dot, then
 /// `vabc-` or a `.tmp` / `.installing` ending (`.u.cow.Ab12Cd.tmp`,
-/// `.system.cow.installing`, `.vabc-bundle.Ab12Cd`).
+/// `.system.cow.4242.installing`, `.vabc-bundle.Ab12Cd`).
 pub fn is_temp_name(path: &Path) -> bool {
     path.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
         n.len() > 1
