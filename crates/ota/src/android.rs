@@ -23,27 +23,44 @@ pub enum KeyChoice {
     NoVerify,
 }
 
-/// Opens a payload: a path or URL of a `payload.bin` or an OTA zip.
+/// Opens a payload (a path or URL of a `payload.bin` or an OTA zip) without checking
+/// its signatures.
 pub fn open(spec: &str) -> Result<Payload> {
     let src = Source::open(spec).map_err(payload_error)?;
     Payload::open(src).map_err(payload_error)
 }
 
-/// Reads `keys` and checks the metadata signature (`whole`: the payload signature
-/// too, reading every byte).
-pub fn verify(p: &Payload, keys: &[PathBuf], whole: bool, observer: &dyn Observer) -> Result<()> {
-    let keys = load_keys(keys)?;
-    payload::verify::verify_metadata(p, &keys).map_err(payload_error)?;
-    if whole {
-        observer.event(Event::Start {
-            phase: "verifying the payload",
-            total: payload::verify::payload_hashed_len(p),
-        });
-        let r = payload::verify::verify_payload(p, &keys, &|n| observer.event(Event::Advance(n)));
-        observer.event(Event::Finish);
-        r.map_err(payload_error)?;
+/// Opens a payload as `keys` says: with keys, its metadata signature is checked over
+/// the bytes read before the manifest is decoded.
+pub fn open_with(spec: &str, keys: &KeyChoice) -> Result<(Payload, Trust)> {
+    let src = Source::open(spec).map_err(payload_error)?;
+    match keys {
+        KeyChoice::Keys(paths) => {
+            let keys = load_keys(paths)?;
+            let p = Payload::open_verified(src, &keys).map_err(payload_error)?;
+            Ok((p, Trust::Verified))
+        }
+        KeyChoice::NoVerify => Ok((
+            Payload::open(src).map_err(payload_error)?,
+            Trust::Unverified,
+        )),
     }
-    Ok(())
+}
+
+/// Opens a payload with its metadata signature checked by `keys`, then checks its
+/// payload signature too, reading every byte.
+pub fn verify(spec: &str, keys: &[PathBuf], observer: &dyn Observer) -> Result<Payload> {
+    let keys = load_keys(keys)?;
+    let src = Source::open(spec).map_err(payload_error)?;
+    let p = Payload::open_verified(src, &keys).map_err(payload_error)?;
+    observer.event(Event::Start {
+        phase: "verifying the payload",
+        total: payload::verify::payload_hashed_len(&p),
+    });
+    let r = payload::verify::verify_payload(&p, &keys, &|n| observer.event(Event::Advance(n)));
+    observer.event(Event::Finish);
+    r.map_err(payload_error)?;
+    Ok(p)
 }
 
 fn load_keys(paths: &[PathBuf]) -> Result<Keys> {
@@ -136,14 +153,7 @@ fn make_images(req: &ExtractRequest, observer: &dyn Observer) -> Result<(Payload
             req.out_dir.display()
         );
     }
-    let p = open(&req.source)?;
-    let trust = match &req.keys {
-        KeyChoice::Keys(k) => {
-            verify(&p, k, false, observer)?;
-            Trust::Verified
-        }
-        KeyChoice::NoVerify => Trust::Unverified,
-    };
+    let (p, trust) = open_with(&req.source, &req.keys)?;
     let names: Vec<&str> = p
         .manifest
         .partitions
@@ -194,11 +204,9 @@ fn make_images(req: &ExtractRequest, observer: &dyn Observer) -> Result<(Payload
             size: *size,
         });
         let tmp = crate::output::temp_beside(&dest)?;
-        let total = part
-            .operations
-            .iter()
-            .map(|o| payload::apply::blocks(&o.dst_extents))
-            .sum();
+        let total = part.operations.iter().fold(0u64, |n, o| {
+            n.saturating_add(payload::apply::blocks(&o.dst_extents))
+        });
         observer.event(Event::Start {
             phase: "extracting",
             total,

@@ -104,6 +104,16 @@ pub fn apply_partition(
     let mark = Watermark::default();
     let failed = AtomicBool::new(false);
     let (applied, written, hashed) = std::thread::scope(|sc| {
+        // Whatever ends this scope, a panic included, ends the hasher's wait.
+        struct Ends<'a>(&'a Watermark);
+        impl Drop for Ends<'_> {
+            fn drop(&mut self) {
+                if self.0.lock().ended.is_none() {
+                    self.0.finish(false);
+                }
+            }
+        }
+        let _ends = Ends(&mark);
         let hasher = new_hash
             .as_ref()
             .map(|_| sc.spawn(|| mark.hash(out, out_name, new, bs)));
@@ -258,6 +268,11 @@ impl Watermark {
     }
 }
 
+/// The most one operation may write: each is made whole in memory (update_engine's
+/// generator cuts REPLACE data into 2 MiB chunks and diffs files of at most a few
+/// hundred MiB).
+pub const MAX_OP_BYTES: u64 = 1 << 30;
+
 /// Total blocks of `extents`.
 pub fn blocks(extents: &[Extent]) -> u64 {
     // Saturating: a crafted manifest's counts are summed before they are checked.
@@ -288,8 +303,11 @@ fn check_ops(
     old_blocks: u64,
     trust: Trust,
 ) -> Result<()> {
+    let bs = u64::from(p.block_size());
     let name = part.partition_name.as_str();
-    let mut written = vec![0u64; usize::try_from(new_blocks.div_ceil(64)).unwrap_or(usize::MAX)];
+    // Every destination run with its operation, sorted below to find overlaps: memory
+    // in the manifest's size, never in the partition's (a crafted size is any number).
+    let mut runs: Vec<(u64, u64, usize)> = Vec::new();
     for (index, op) in part.operations.iter().enumerate() {
         let kind = op_name(op);
         let bad = |what: String| Error::Op {
@@ -349,29 +367,67 @@ fn check_ops(
                     "its data has no hash in the signed manifest, so it cannot be checked".into(),
                 ));
             }
+            // Data is read whole: no encoding of the destination is much larger than
+            // it, so a length past this is a crafted one, refused before it is
+            // allocated.
+            let out = blocks(&op.dst_extents).saturating_mul(bs);
+            let most = out.saturating_mul(2).saturating_add(1 << 20);
+            if op.data_length.is_some_and(|n| n > most) {
+                return Err(bad(format!(
+                    "its {} bytes of data are more than any encoding of its {out} bytes",
+                    op.data_length.unwrap_or(0)
+                )));
+            }
         }
         if op.dst_extents.is_empty() {
             return Err(bad("it writes no block".into()));
         }
         inside(&op.dst_extents, new_blocks, "destination", "new").map_err(bad)?;
-        for e in &op.dst_extents {
-            for b in e.start()..e.start() + e.len() {
-                let (w, bit) = ((b / 64) as usize, 1u64 << (b % 64));
-                if written[w] & bit != 0 {
-                    return Err(bad(format!(
-                        "destination block {b} is written by an earlier operation too"
-                    )));
-                }
-                written[w] |= bit;
-            }
+        // Each operation is made in memory: a bound on it is the bound on memory.
+        let out = blocks(&op.dst_extents).saturating_mul(bs);
+        if out > MAX_OP_BYTES {
+            return Err(bad(format!(
+                "it writes {out} bytes; vabc applies operations of at most {MAX_OP_BYTES} \
+                 (update_engine's generator makes them of 2 MiB to a few hundred MiB)"
+            )));
         }
+        runs.extend(
+            op.dst_extents
+                .iter()
+                .map(|e| (e.start(), e.start() + e.len(), index)),
+        );
         if t.reads_source() {
             if op.src_extents.is_empty() {
                 return Err(bad("it reads no source block".into()));
             }
             inside(&op.src_extents, old_blocks, "source", "old").map_err(bad)?;
+            // Runs may repeat: the source read is bounded by the old partition's
+            // size, and a copy reads exactly what it writes.
+            let src_blocks = blocks(&op.src_extents);
+            if src_blocks > old_blocks
+                || (t == OpType::SourceCopy && src_blocks != blocks(&op.dst_extents))
+            {
+                return Err(bad(format!(
+                    "it reads {src_blocks} source blocks for {} destination blocks",
+                    blocks(&op.dst_extents)
+                )));
+            }
         } else if !op.src_extents.is_empty() {
             return Err(bad("it names source blocks but reads none".into()));
+        }
+    }
+    runs.sort_unstable();
+    for w in runs.windows(2) {
+        let ((_, end, first), (start, _, index)) = (w[0], w[1]);
+        if start < end {
+            let (first, later) = (first.min(index), first.max(index));
+            let op = &part.operations[later];
+            return Err(Error::Op {
+                partition: name.to_string(),
+                index: later,
+                op: op_name(op),
+                what: format!("destination block {start} is written by operation {first} too"),
+            });
         }
     }
     Ok(())
@@ -448,11 +504,9 @@ fn make_op(
             if t == OpType::SourceCopy {
                 src
             } else {
-                let src = match op.src_length {
-                    Some(n) if n <= src.len() as u64 => &src[..n as usize],
-                    _ => &src[..],
-                };
-                crate::bspatch::apply(src, &data, dst_len)
+                // update_engine patches all the source runs' bytes; `src_length`
+                // only has to be whole blocks.
+                crate::bspatch::apply(&src, &data, dst_len)
                     .map_err(|e| bad(format!("its patch does not apply: {e}")))?
             }
         }

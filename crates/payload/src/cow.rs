@@ -190,7 +190,7 @@ pub fn claimed_blocks(
             .is_some_and(|e| e <= new_blocks);
         let in_old = src
             .start()
-            .checked_add(dst.len() + extra)
+            .checked_add(dst.len().saturating_add(extra))
             .is_some_and(|e| e <= old_blocks);
         if dst.is_empty() || !in_new || !in_old {
             return Err(bad(format!(

@@ -22,9 +22,13 @@ use crate::source::Source;
 pub const HEADER_LEN: u64 = 24;
 /// The only major version Android writes since 2016.
 pub const MAJOR_VERSION: u64 = 2;
-/// The largest manifest read: a full OTA's manifest of a few hundred thousand
-/// operations is tens of MiB; anything past this is a crafted length.
-pub const MAX_MANIFEST: u64 = 256 << 20;
+/// The largest manifest read: a full OTA's manifest of a hundred thousand operations
+/// is a few MiB; anything past this is a crafted length.
+pub const MAX_MANIFEST: u64 = 64 << 20;
+/// The most memory a decoded manifest may take (estimated before decoding it): a
+/// message of two bytes on the wire decodes to hundreds, so a crafted manifest of
+/// empty messages would otherwise take tens of GiB.
+pub const MAX_DECODED_MANIFEST: u64 = 1 << 30;
 /// The largest metadata signature read (a few signatures of a few hundred bytes).
 pub const MAX_METADATA_SIGNATURE: u32 = 1 << 20;
 
@@ -109,11 +113,27 @@ pub struct Payload {
     pub manifest: DeltaArchiveManifest,
     /// The metadata signature's bytes (a `Signatures` message), empty when unsigned.
     pub metadata_signature: Vec<u8>,
+    /// The header and manifest as read, once: what the manifest was decoded from and
+    /// what the metadata signature is checked over (a second read, from a server
+    /// or a file that changes, could give other bytes).
+    metadata: Vec<u8>,
 }
 
 impl Payload {
-    /// Reads the header, manifest and metadata signature of `source`.
+    /// Reads the header, manifest and metadata signature of `source`, checking no
+    /// signature.
     pub fn open(source: Source) -> Result<Payload> {
+        Payload::open_checked(source, None)
+    }
+
+    /// Reads the header, manifest and metadata signature of `source` and checks the
+    /// metadata signature with `keys` over the bytes read, before the manifest is
+    /// decoded: what is decoded is what was signed.
+    pub fn open_verified(source: Source, keys: &crate::Keys) -> Result<Payload> {
+        Payload::open_checked(source, Some(keys))
+    }
+
+    fn open_checked(source: Source, keys: Option<&crate::Keys>) -> Result<Payload> {
         let name = source.name().to_string();
         if source.len() < HEADER_LEN {
             return Err(Error::format(
@@ -136,26 +156,58 @@ impl Payload {
                 ),
             ));
         }
-        let bytes = source.read_vec(HEADER_LEN, header.manifest_len)?;
-        let manifest = DeltaArchiveManifest::decode(&bytes[..]).map_err(|e| {
+        let mut metadata = h.to_vec();
+        metadata.extend(source.read_vec(HEADER_LEN, header.manifest_len)?);
+        let metadata_signature = source.read_vec(
+            header.metadata_len(),
+            u64::from(header.metadata_signature_len),
+        )?;
+        if let Some(keys) = keys {
+            keys.verify(
+                "metadata signature",
+                &metadata_signature,
+                &sha256(&metadata),
+            )?;
+        }
+        let bytes = &metadata[HEADER_LEN as usize..];
+        let decoded = crate::proto::decoded_size(bytes).map_err(|what| {
+            Error::format(
+                &name,
+                HEADER_LEN,
+                format!("the manifest does not decode: {what}"),
+            )
+        })?;
+        if decoded > MAX_DECODED_MANIFEST {
+            return Err(Error::format(
+                &name,
+                HEADER_LEN,
+                format!(
+                    "the manifest would take {decoded} bytes of memory decoded (more than \
+                     {MAX_DECODED_MANIFEST}): not a real payload's"
+                ),
+            ));
+        }
+        let manifest = DeltaArchiveManifest::decode(bytes).map_err(|e| {
             Error::format(
                 &name,
                 HEADER_LEN,
                 format!("the manifest does not decode: {e}"),
             )
         })?;
-        let metadata_signature = source.read_vec(
-            header.metadata_len(),
-            u64::from(header.metadata_signature_len),
-        )?;
         let p = Payload {
             source,
             header,
             manifest,
             metadata_signature,
+            metadata,
         };
         p.check_manifest()?;
         Ok(p)
+    }
+
+    /// The header and manifest bytes, as read once and decoded.
+    pub fn metadata_bytes(&self) -> &[u8] {
+        &self.metadata
     }
 
     /// Where the bytes come from.
@@ -191,7 +243,7 @@ impl Payload {
     pub fn payload_signature_range(&self) -> Option<(u64, u64)> {
         let off = self.manifest.signatures_offset?;
         let len = self.manifest.signatures_size?;
-        Some((self.header.data_offset() + off, len))
+        Some((self.header.data_offset().checked_add(off)?, len))
     }
 
     /// An operation's data, read and (when the manifest gives its hash) checked.
@@ -245,6 +297,7 @@ impl Payload {
                 format!("block size {bs} is not a power of two from 512 to 1 MiB"),
             ));
         }
+        // Told apart as a case-insensitive file system would: NAME.img is written.
         let mut seen = std::collections::BTreeSet::new();
         for p in &self.manifest.partitions {
             let n = &p.partition_name;
@@ -260,7 +313,7 @@ impl Payload {
                     format!("partition name {n:?} is not a plain name (letters, digits, _ and -)"),
                 ));
             }
-            if !seen.insert(n.as_str()) {
+            if !seen.insert(n.to_ascii_lowercase()) {
                 return Err(Error::format(
                     name,
                     HEADER_LEN,

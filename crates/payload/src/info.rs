@@ -150,8 +150,7 @@ impl Info {
                     data_bytes: part
                         .operations
                         .iter()
-                        .map(|o| o.data_length.unwrap_or(0))
-                        .sum(),
+                        .fold(0u64, |n, o| n.saturating_add(o.data_length.unwrap_or(0))),
                     merge_operations: part.merge_operations.len() as u64,
                     merge_operations_by_type: merge_by_type,
                     estimate_cow_size: part.estimate_cow_size,

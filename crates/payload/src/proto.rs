@@ -353,3 +353,101 @@ pub struct DeltaArchiveManifest {
     #[prost(string, optional, tag = "18")]
     pub security_patch_level: Option<String>,
 }
+
+/// The messages of a manifest, by what they decode to.
+#[derive(Clone, Copy)]
+enum Kind {
+    Manifest,
+    Partition,
+    Operation,
+    Merge,
+    Extent,
+    Info,
+    Signature,
+    Dynamic,
+    Group,
+    Features,
+}
+
+impl Kind {
+    fn size(self) -> u64 {
+        use std::mem::size_of;
+        (match self {
+            Kind::Manifest => size_of::<DeltaArchiveManifest>(),
+            Kind::Partition => size_of::<PartitionUpdate>(),
+            Kind::Operation => size_of::<InstallOperation>(),
+            Kind::Merge => size_of::<CowMergeOperation>(),
+            Kind::Extent => size_of::<Extent>(),
+            Kind::Info => size_of::<PartitionInfo>(),
+            Kind::Signature => size_of::<Signature>(),
+            Kind::Dynamic => size_of::<DynamicPartitionMetadata>(),
+            Kind::Group => size_of::<DynamicPartitionGroup>(),
+            Kind::Features => size_of::<VabcFeatureSet>(),
+        }) as u64
+    }
+
+    /// The message kind of field `tag`, when it is a message this crate decodes.
+    fn child(self, tag: u32) -> Option<Kind> {
+        Some(match (self, tag) {
+            (Kind::Manifest, 13) => Kind::Partition,
+            (Kind::Manifest, 15) => Kind::Dynamic,
+            (Kind::Partition, 5) => Kind::Signature,
+            (Kind::Partition, 6 | 7) => Kind::Info,
+            (Kind::Partition, 8) => Kind::Operation,
+            (Kind::Partition, 10 | 11 | 14 | 15) => Kind::Extent,
+            (Kind::Partition, 18) => Kind::Merge,
+            (Kind::Operation, 4 | 6) => Kind::Extent,
+            (Kind::Merge, 2 | 3) => Kind::Extent,
+            (Kind::Dynamic, 1) => Kind::Group,
+            (Kind::Dynamic, 6) => Kind::Features,
+            _ => return None,
+        })
+    }
+}
+
+/// The memory a manifest takes once decoded, estimated from its wire form without
+/// decoding it: every message counted at its decoded size (twice, for the growth of
+/// the vectors holding it), every string and byte field at its length. A message of
+/// two bytes on the wire decodes to hundreds, so a manifest's length alone does not
+/// bound its decoded size.
+pub fn decoded_size(manifest: &[u8]) -> Result<u64, String> {
+    walk(manifest, Kind::Manifest, 0)
+}
+
+fn walk(mut buf: &[u8], kind: Kind, depth: u32) -> Result<u64, String> {
+    use prost::encoding::{WireType, decode_key, decode_varint};
+    if depth > 4 {
+        return Err("messages nested deeper than the manifest's".into());
+    }
+    let mut total = 2 * kind.size();
+    while !buf.is_empty() {
+        let (tag, wire) = decode_key(&mut buf).map_err(|e| e.to_string())?;
+        match wire {
+            WireType::Varint => {
+                decode_varint(&mut buf).map_err(|e| e.to_string())?;
+            }
+            WireType::SixtyFourBit | WireType::ThirtyTwoBit => {
+                let n = if wire == WireType::SixtyFourBit { 8 } else { 4 };
+                buf = buf.get(n..).ok_or("a fixed-size field runs past the end")?;
+            }
+            WireType::LengthDelimited => {
+                let len = decode_varint(&mut buf).map_err(|e| e.to_string())?;
+                let len = usize::try_from(len)
+                    .ok()
+                    .filter(|&l| l <= buf.len())
+                    .ok_or("a field runs past the end")?;
+                let (field, rest) = buf.split_at(len);
+                buf = rest;
+                total = total.saturating_add(match kind.child(tag) {
+                    Some(child) => walk(field, child, depth + 1)?,
+                    // A string or bytes field: its bytes and its container.
+                    None => len as u64 + 24,
+                });
+            }
+            WireType::StartGroup | WireType::EndGroup => {
+                return Err("a group field, which no payload manifest has".into());
+            }
+        }
+    }
+    Ok(total)
+}

@@ -249,6 +249,9 @@ impl Http {
         let agent: ureq::Agent = ureq::Agent::config_builder()
             .timeout_connect(Some(Duration::from_secs(30)))
             .timeout_per_read(Some(Duration::from_secs(60)))
+            // A server that trickles a byte a minute still ends each request (a
+            // read is at most an operation's data).
+            .timeout_global(Some(Duration::from_secs(600)))
             .http_status_as_error(false)
             .build()
             .into();

@@ -114,16 +114,19 @@ impl Keys {
     }
 }
 
-/// SHA-256 of the header and manifest: what the metadata signature signs.
-pub fn metadata_hash(p: &Payload) -> Result<[u8; 32]> {
-    let bytes = p.source().read_vec(0, p.header.metadata_len())?;
-    Ok(Sha256::digest(&bytes).into())
+/// SHA-256 of the header and manifest as they were read and decoded: what the
+/// metadata signature signs.
+pub fn metadata_hash(p: &Payload) -> [u8; 32] {
+    Sha256::digest(p.metadata_bytes()).into()
 }
 
 /// Checks the metadata signature with `keys`.
 pub fn verify_metadata(p: &Payload, keys: &Keys) -> Result<()> {
-    let hash = metadata_hash(p)?;
-    keys.verify("metadata signature", &p.metadata_signature, &hash)
+    keys.verify(
+        "metadata signature",
+        &p.metadata_signature,
+        &metadata_hash(p),
+    )
 }
 
 /// Checks the payload signature with `keys`, reading the whole payload; `progress`
@@ -145,7 +148,11 @@ pub fn verify_payload(p: &Payload, keys: &Keys, progress: &dyn Fn(u64)) -> Resul
             format!("the payload signature ({sig_len} bytes) runs past the end"),
         ));
     }
+    // The header and manifest as decoded, then the data.
     let mut h = Sha256::new();
+    let metadata = p.metadata_bytes();
+    h.update(metadata);
+    progress(metadata.len() as u64);
     let mut hash_range = |from: u64, to: u64| -> Result<()> {
         let mut at = from;
         while at < to {
@@ -157,7 +164,6 @@ pub fn verify_payload(p: &Payload, keys: &Keys, progress: &dyn Fn(u64)) -> Resul
         }
         Ok(())
     };
-    hash_range(0, p.header.metadata_len())?;
     hash_range(p.header.data_offset(), sig_at)?;
     let hash: [u8; 32] = h.finalize().into();
     let sigs = p.source().read_vec(sig_at, sig_len)?;

@@ -255,10 +255,22 @@ fn operations_we_do_not_apply_and_bad_extents_fail_before_any_write() {
             }),
         ),
         (
-            "written by an earlier operation",
+            "written by operation 1 too",
             Box::new(|b: &mut Builder, p| {
                 b.op(p, OpType::Zero, &[], &[e(0, 2)], None);
                 b.op(p, OpType::Zero, &[], &[e(1, 1)], None)
+            }),
+        ),
+        (
+            "more than any encoding",
+            Box::new(|b: &mut Builder, p| {
+                b.op(
+                    p,
+                    OpType::ReplaceXz,
+                    &[],
+                    &[e(0, 1)],
+                    Some(&vec![7u8; 2 << 20]),
+                )
             }),
         ),
         (
@@ -575,4 +587,94 @@ fn real_partitions_merge_operations_order_safely() {
             assert_eq!((claimed.len() - xor, xor), (645_443, 80_827));
         }
     }
+}
+
+#[test]
+fn a_crafted_partition_size_is_refused_without_allocating_for_it() {
+    let mut b = Builder::new(0);
+    let p = b.partition("system", None, &[1u8; 4096]);
+    b.op(
+        p,
+        OpType::Replace,
+        &[],
+        &[Extent::new(0, 1)],
+        Some(&[1u8; 4096]),
+    );
+    b.manifest.partitions[p]
+        .new_partition_info
+        .as_mut()
+        .unwrap()
+        .size = Some(1 << 62);
+    let bytes = b.finish(None);
+    let pl = open_bytes(&bytes).unwrap();
+    let f = tempfile::tempfile().unwrap();
+    let e = apply_partition(
+        &pl,
+        &pl.manifest.partitions[0],
+        None,
+        &f,
+        Path::new("o"),
+        Trust::Unverified,
+        &|_| {},
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("cannot size o"), "{e}");
+}
+
+/// A source that answers the first read of the manifest with forged bytes and every
+/// later one with the real ones: a server (or a file being changed) that gives the
+/// reader one manifest and the signature check another.
+struct TwoFaced {
+    real: Vec<u8>,
+    forged: Vec<u8>,
+    reads: std::sync::atomic::AtomicU32,
+}
+
+impl vabc_io::ReadAt for TwoFaced {
+    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        let covers_manifest = offset <= 30 && offset + buf.len() as u64 > 30;
+        let first =
+            covers_manifest && self.reads.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0;
+        let src = if first { &self.forged } else { &self.real };
+        let at = offset as usize;
+        buf.copy_from_slice(&src[at..at + buf.len()]);
+        Ok(())
+    }
+}
+
+#[test]
+fn the_manifest_checked_is_the_manifest_decoded() {
+    let k = key("k");
+    let sign = |h: &[u8; 32]| fuzzing::openssl_sign(&k.private, h);
+    let (real, _) = fuzzing::sample_full(Some(&sign));
+    let mut forged = real.clone();
+    forged[30] ^= 1;
+    let src = TwoFaced {
+        real: real.clone(),
+        forged,
+        reads: Default::default(),
+    };
+    let len = real.len() as u64;
+    let r = Payload::open_verified(
+        Source::from_reader("two-faced", Box::new(src), len),
+        &keys(&k),
+    );
+    let e = r.unwrap_err().to_string();
+    assert!(e.contains("does not verify"), "{e}");
+}
+
+#[test]
+fn a_manifest_that_would_decode_to_gigabytes_is_refused_first() {
+    // Three million empty `partitions` entries: 2 bytes each on the wire, 6 MB.
+    let entries = 3_000_000usize;
+    let mut b = b"CrAU".to_vec();
+    b.extend(2u64.to_be_bytes());
+    b.extend(((entries * 2) as u64).to_be_bytes());
+    b.extend(0u32.to_be_bytes());
+    for _ in 0..entries {
+        b.extend([0x6a, 0x00]);
+    }
+    let e = open_bytes(&b).unwrap_err().to_string();
+    assert!(e.contains("bytes of memory decoded"), "{e}");
 }

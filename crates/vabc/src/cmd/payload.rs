@@ -256,8 +256,7 @@ fn info(a: InfoArgs) -> Result<ExitCode> {
 }
 
 fn verify(a: VerifyArgs) -> Result<ExitCode> {
-    let p = ota::android::open(&a.payload)?;
-    ota::android::verify(&p, &a.keys, true, &crate::progress::Bar::new())?;
+    let p = ota::android::verify(&a.payload, &a.keys, &crate::progress::Bar::new())?;
     if a.json {
         report::print(VerifyReport {
             payload: &a.payload,
