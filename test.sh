@@ -5,7 +5,7 @@
 # tier: every frontend on a stock kernel with ublk, NBD and device-mapper, the
 # packaged unit under systemd, then the device scenario (boots from base + COW,
 # power cuts, rollback), a real Debian system's updates under systemd and the crash
-# states of a logged install and merge (tests/vm/, about 28 minutes under software
+# states of a logged install and merge (tests/vm/, 20 to 28 minutes under software
 # emulation; the whole suite 38 to 53 on a clean 2-core machine; each step's time is
 # said at the end).
 # CI runs exactly this (.ci/run). VABC_SKIP_VM=1 leaves the VM tier out (it
