@@ -18,7 +18,7 @@ use rayon::prelude::*;
 use vabc_io::ReadAt;
 
 use crate::error::{Error, Result};
-use crate::format::{Payload, op_name, sha256};
+use crate::format::{Payload, sha256};
 use crate::proto::{Extent, InstallOperation, OpType, PartitionUpdate};
 
 /// What an extraction trusts.
@@ -309,13 +309,7 @@ fn check_ops(
     // in the manifest's size, never in the partition's (a crafted size is any number).
     let mut runs: Vec<(u64, u64, usize)> = Vec::new();
     for (index, op) in part.operations.iter().enumerate() {
-        let kind = op_name(op);
-        let bad = |what: String| Error::Op {
-            partition: name.to_string(),
-            index,
-            op: kind,
-            what,
-        };
+        let bad = |what: String| Error::op(name, index, op, what);
         let t = OpType::try_from(op.r#type).map_err(|_| Error::Unsupported {
             partition: name.to_string(),
             index,
@@ -421,13 +415,12 @@ fn check_ops(
         let ((_, end, first), (start, _, index)) = (w[0], w[1]);
         if start < end {
             let (first, later) = (first.min(index), first.max(index));
-            let op = &part.operations[later];
-            return Err(Error::Op {
-                partition: name.to_string(),
-                index: later,
-                op: op_name(op),
-                what: format!("destination block {start} is written by operation {first} too"),
-            });
+            return Err(Error::op(
+                name,
+                later,
+                &part.operations[later],
+                format!("destination block {start} is written by operation {first} too"),
+            ));
         }
     }
     Ok(())
@@ -443,13 +436,7 @@ fn make_op(
     old: Option<&Old<'_>>,
     bs: u64,
 ) -> Result<Option<Vec<u8>>> {
-    let kind = op_name(op);
-    let bad = |what: String| Error::Op {
-        partition: name.to_string(),
-        index,
-        op: kind,
-        what,
-    };
+    let bad = |what: String| Error::op(name, index, op, what);
     let t = OpType::try_from(op.r#type).map_err(|_| bad("unknown type".into()))?;
     let dst_len = blocks(&op.dst_extents) * bs;
     let data = p.op_data(name, index, op)?;

@@ -82,6 +82,20 @@ impl Error {
         }
     }
 
+    pub(crate) fn op(
+        partition: &str,
+        index: usize,
+        op: &crate::proto::InstallOperation,
+        what: impl Into<String>,
+    ) -> Error {
+        Error::Op {
+            partition: partition.to_string(),
+            index,
+            op: crate::format::op_name(op),
+            what: what.into(),
+        }
+    }
+
     pub(crate) fn partition(partition: &str, what: impl Into<String>) -> Error {
         Error::Partition {
             partition: partition.to_string(),

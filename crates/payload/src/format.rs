@@ -248,16 +248,10 @@ impl Payload {
 
     /// An operation's data, read and (when the manifest gives its hash) checked.
     pub fn op_data(&self, partition: &str, index: usize, op: &InstallOperation) -> Result<Vec<u8>> {
-        let kind = op_name(op);
         let (Some(off), Some(len)) = (op.data_offset, op.data_length) else {
             return Ok(Vec::new());
         };
-        let bad = |what: String| Error::Op {
-            partition: partition.to_string(),
-            index,
-            op: kind,
-            what,
-        };
+        let bad = |what: String| Error::op(partition, index, op, what);
         let at = self
             .header
             .data_offset()
