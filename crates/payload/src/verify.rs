@@ -55,9 +55,22 @@ impl Keys {
         Keys::from_pem(&text).map_err(|e| Error::signature(format!("{}: {e}", path.display())))
     }
 
-    /// Parses a PEM key.
+    /// Parses a PEM key, or the key of a PEM certificate (as an OTA package's
+    /// `otacert`: the certificate of the key that signed it, to be taken from a place
+    /// the payload does not control).
     pub fn from_pem(text: &str) -> Result<Keys> {
         use p256::pkcs8::DecodePublicKey as _;
+        if text.contains("-----BEGIN CERTIFICATE-----") {
+            use x509_cert::der::{DecodePem as _, EncodePem as _};
+            let cert = x509_cert::Certificate::from_pem(text)
+                .map_err(|e| Error::signature(format!("not a readable PEM certificate: {e}")))?;
+            let spki = cert
+                .tbs_certificate()
+                .subject_public_key_info()
+                .to_pem(x509_cert::der::pem::LineEnding::LF)
+                .map_err(|e| Error::signature(format!("the certificate's key: {e}")))?;
+            return Keys::from_pem(&spki);
+        }
         let key = match RsaPublicKey::from_public_key_pem(text)
             .or_else(|_| RsaPublicKey::from_pkcs1_pem(text))
         {

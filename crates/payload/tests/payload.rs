@@ -678,3 +678,66 @@ fn a_manifest_that_would_decode_to_gigabytes_is_refused_first() {
     let e = open_bytes(&b).unwrap_err().to_string();
     assert!(e.contains("bytes of memory decoded"), "{e}");
 }
+
+#[test]
+fn a_certificate_gives_its_key() {
+    // As an OTA package's otacert: the certificate of the signing key (RSA and EC).
+    let v = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/vectors/update_engine");
+    let dir = tempfile::tempdir().unwrap();
+    for (i, private) in [
+        v.join("payload-test-key.pem"),
+        v.join("unittest_key_EC.pem"),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let cert = dir.path().join(format!("cert{i}.pem"));
+        fuzzing::run(
+            "openssl",
+            &[
+                "req",
+                "-x509",
+                "-new",
+                "-key",
+                private.to_str().unwrap(),
+                "-subj",
+                "/CN=vabc test",
+                "-days",
+                "1",
+                "-out",
+                cert.to_str().unwrap(),
+            ],
+            &[],
+        );
+        let sign = |h: &[u8; 32]| fuzzing::openssl_sign(private, h);
+        let (bytes, _) = fuzzing::sample_full(Some(&sign));
+        let p = open_bytes(&bytes).unwrap();
+        let keys = Keys::from_pem_file(&cert).unwrap();
+        payload::verify::verify_payload(&p, &keys, &|_| {}).unwrap();
+        payload::verify::verify_metadata(&p, &keys).unwrap();
+    }
+    // Another key's certificate does not verify.
+    let other = key("other");
+    let cert = dir.path().join("other.pem");
+    fuzzing::run(
+        "openssl",
+        &[
+            "req",
+            "-x509",
+            "-new",
+            "-key",
+            other.private.to_str().unwrap(),
+            "-subj",
+            "/CN=other",
+            "-days",
+            "1",
+            "-out",
+            cert.to_str().unwrap(),
+        ],
+        &[],
+    );
+    let sign = |h: &[u8; 32]| fuzzing::openssl_sign(&v.join("payload-test-key.pem"), h);
+    let (bytes, _) = fuzzing::sample_full(Some(&sign));
+    let p = open_bytes(&bytes).unwrap();
+    assert!(payload::verify::verify_metadata(&p, &Keys::from_pem_file(&cert).unwrap()).is_err());
+}

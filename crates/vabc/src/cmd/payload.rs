@@ -48,8 +48,10 @@ struct InfoArgs {
 struct VerifyArgs {
     /// The payload: payload.bin, an OTA zip holding it, or an http(s):// URL of either.
     payload: String,
-    /// The public key the payload was signed with (PEM: PUBLIC KEY or RSA PUBLIC KEY).
-    /// Repeat for several accepted keys.
+    /// The public key the payload was signed with (PEM: PUBLIC KEY or RSA PUBLIC KEY,
+    /// RSA or EC P-256), or its certificate (PEM CERTIFICATE, as an OTA package's
+    /// otacert: take it from a place you trust, not from the package). Repeat for
+    /// several accepted keys.
     #[arg(long = "key", value_name = "PUBKEY.pem", required = true)]
     keys: Vec<PathBuf>,
     /// Print a JSON report on stdout.
@@ -71,7 +73,8 @@ struct ExtractArgs {
     /// The folder of the old images (NAME.img), for an incremental payload.
     #[arg(long)]
     old: Option<PathBuf>,
-    /// The public key the payload was signed with (PEM). Repeat for several.
+    /// The public key the payload was signed with, or its certificate (PEM; see
+    /// `payload verify --help`). Repeat for several.
     #[arg(
         long = "key",
         value_name = "PUBKEY.pem",
