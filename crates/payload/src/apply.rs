@@ -324,13 +324,11 @@ fn check_ops(
             | OpType::Discard
             | OpType::SourceCopy
             | OpType::SourceBsdiff
-            | OpType::BrotliBsdiff => {}
-            OpType::Move
-            | OpType::Bsdiff
+            | OpType::BrotliBsdiff
             | OpType::Puffdiff
-            | OpType::Zucchini
             | OpType::Lz4diffBsdiff
-            | OpType::Lz4diffPuffdiff => {
+            | OpType::Lz4diffPuffdiff => {}
+            OpType::Move | OpType::Bsdiff | OpType::Zucchini => {
                 return Err(Error::Unsupported {
                     partition: name.to_string(),
                     index,
@@ -351,6 +349,9 @@ fn check_ops(
                 | OpType::ReplaceZstd
                 | OpType::SourceBsdiff
                 | OpType::BrotliBsdiff
+                | OpType::Puffdiff
+                | OpType::Lz4diffBsdiff
+                | OpType::Lz4diffPuffdiff
         );
         if has_data {
             if op.data_offset.is_none() || op.data_length.is_none() {
@@ -471,7 +472,12 @@ fn make_op(
                 .map_err(|e| bad(format!("its zstd data does not open: {e}")))?,
             "zstd",
         )?,
-        OpType::SourceCopy | OpType::SourceBsdiff | OpType::BrotliBsdiff => {
+        OpType::SourceCopy
+        | OpType::SourceBsdiff
+        | OpType::BrotliBsdiff
+        | OpType::Puffdiff
+        | OpType::Lz4diffBsdiff
+        | OpType::Lz4diffPuffdiff => {
             let Some(old) = old else {
                 return Err(bad("the old partition is needed".into()));
             };
@@ -490,6 +496,13 @@ fn make_op(
             }
             if t == OpType::SourceCopy {
                 src
+            } else if t == OpType::Puffdiff {
+                crate::puffin::apply(&src, &data, dst_len)
+                    .map_err(|e| bad(format!("its puffin patch does not apply: {e}")))?
+            } else if matches!(t, OpType::Lz4diffBsdiff | OpType::Lz4diffPuffdiff) {
+                // The inner patch's type is the header's, as update_engine reads it.
+                crate::lz4diff::apply(&src, &data, dst_len)
+                    .map_err(|e| bad(format!("its lz4diff patch does not apply: {e}")))?
             } else {
                 // update_engine patches all the source runs' bytes; `src_length`
                 // only has to be whole blocks.
@@ -501,7 +514,14 @@ fn make_op(
     };
     // A patch may make fewer bytes than its blocks hold (`dst_length`); a REPLACE
     // must fill them.
-    let short_ok = matches!(t, OpType::SourceBsdiff | OpType::BrotliBsdiff);
+    let short_ok = matches!(
+        t,
+        OpType::SourceBsdiff
+            | OpType::BrotliBsdiff
+            | OpType::Puffdiff
+            | OpType::Lz4diffBsdiff
+            | OpType::Lz4diffPuffdiff
+    );
     if new.len() as u64 > dst_len || (!short_ok && new.len() as u64 != dst_len) {
         return Err(bad(format!(
             "it makes {} bytes for {} destination blocks ({dst_len} bytes)",

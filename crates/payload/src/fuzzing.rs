@@ -474,6 +474,84 @@ pub fn sample_incremental(
     (b.finish(signer), old, new)
 }
 
+/// A file of puffin's reference vectors (tests/vectors/puffin).
+pub fn puffin_vector(name: &str) -> Vec<u8> {
+    let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/vectors/puffin")
+        .join(name);
+    std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
+
+/// Text-like data with some random runs (LZ4 blocks of it compress unevenly).
+pub fn lz4_text(seed: u64, len: usize) -> Vec<u8> {
+    let mut rng = fastrand_lite(seed);
+    let words: [&[u8]; 5] = [b"erofs ", b"lz4 ", b"block ", b"update ", b"\n"];
+    let mut v = Vec::new();
+    while v.len() < len {
+        let r = rng();
+        if r.is_multiple_of(25) {
+            v.extend((0..1 + (r >> 8) % 30).map(|_| rng() as u8));
+        } else {
+            v.extend_from_slice(words[(r >> 8) as usize % words.len()]);
+        }
+    }
+    v.truncate(len);
+    v
+}
+
+/// An incremental payload of one partition (vendor) whose files are compressed:
+/// a zip changed by a PUFFDIFF operation (puffin's own patch, its `zip` vector), and
+/// an EROFS-like LZ4HC file changed by an LZ4DIFF_BSDIFF operation (made as
+/// update_engine's generator makes it, with fixes for blocks compressed at another
+/// level). Returns it, the old image and the new one.
+pub fn sample_incremental_compressed(dir: &std::path::Path) -> (Vec<u8>, Vec<u8>, Vec<u8>) {
+    use crate::lz4diff::{CompressionAlgorithm, compress_for_tests, make_patch};
+    let bs = 4096usize;
+    let pad = |mut v: Vec<u8>| {
+        v.resize(v.len().div_ceil(bs) * bs, 0);
+        v
+    };
+    let (zip_old, zip_new) = (puffin_vector("zip.src"), puffin_vector("zip.dst"));
+    let hc = |level| CompressionAlgorithm { r#type: 2, level };
+    let text = lz4_text(21, 120_000);
+    let mut edited = text.clone();
+    edited.splice(40_000..40_000, lz4_text(22, 2000));
+    edited[90_000..90_500].fill(b'-');
+    let (lz_old, old_blocks) = compress_for_tests(&hc(9), &text, bs, true);
+    let (lz_new, new_blocks) = compress_for_tests(&hc(12), &edited, bs, true);
+    assert!(lz_old.len() % bs == 0 && lz_new.len() % bs == 0);
+    let lz_patch = make_patch(
+        (&lz_old, &old_blocks),
+        (&lz_new, &new_blocks),
+        &hc(9),
+        true,
+        dir,
+    );
+    let zo = pad(zip_old);
+    let zn = pad(zip_new.clone());
+    let old = [zo.clone(), lz_old.clone()].concat();
+    let new = [zn.clone(), lz_new.clone()].concat();
+    let blocks = |v: &[u8]| (v.len() / bs) as u64;
+    let e = Extent::new;
+    let mut b = Builder::new(9);
+    let part = b.partition("vendor", Some(old.clone()), &new);
+    b.op(
+        part,
+        OpType::Puffdiff,
+        &[e(0, blocks(&zo))],
+        &[e(0, blocks(&zn))],
+        Some(&puffin_vector("zip.patch")),
+    );
+    b.op(
+        part,
+        OpType::Lz4diffBsdiff,
+        &[e(blocks(&zo), blocks(&lz_old))],
+        &[e(blocks(&zn), blocks(&lz_new))],
+        Some(&lz_patch),
+    );
+    (b.finish(None), old, new)
+}
+
 /// A one-file HTTP/1.1 server on 127.0.0.1 answering `Range: bytes=A-B` with 206 (and
 /// without a range, the whole file with 200). Returns the URL (ending in `name`) and
 /// the byte ranges sent (first, last).
@@ -563,17 +641,44 @@ pub fn update_engine_samples(dir: &std::path::Path) {
 /// length, the old data follows, then the patch (BSDIFF40 or BSDF2). Nothing may
 /// panic, and nothing larger than 1 MiB may be made.
 pub fn exercise_bspatch(data: &[u8]) {
+    exercise_patch(data, |old, patch| {
+        crate::bspatch::apply(old, patch, 1 << 20).ok()
+    });
+}
+
+/// Splits a patch fuzz input (see [`bspatch_input`]) and checks that `apply` makes at
+/// most 1 MiB.
+fn exercise_patch(data: &[u8], apply: impl Fn(&[u8], &[u8]) -> Option<Vec<u8>>) {
     let Some((len, rest)) = data.split_first_chunk::<2>() else {
         return;
     };
     let n = usize::from(u16::from_le_bytes(*len)).min(rest.len());
     let (old, patch) = rest.split_at(n);
-    if let Ok(new) = crate::bspatch::apply(old, patch, 1 << 20) {
+    if let Some(new) = apply(old, patch) {
         assert!(new.len() <= 1 << 20);
     }
 }
 
-/// A `bspatch` fuzz input: `old` and `patch` as [`exercise_bspatch`] reads them.
+/// The body of the `puffpatch` fuzz target: the input as [`exercise_bspatch`] reads
+/// it, the patch a puffin patch. Nothing may panic, and nothing larger than 1 MiB may
+/// be made.
+pub fn exercise_puffpatch(data: &[u8]) {
+    exercise_patch(data, |old, patch| {
+        crate::puffin::apply(old, patch, 1 << 20).ok()
+    });
+}
+
+/// The body of the `lz4diff` fuzz target: the input as [`exercise_bspatch`] reads
+/// it, the patch an lz4diff patch. Nothing may panic, and nothing larger than 1 MiB
+/// may be made.
+pub fn exercise_lz4diff(data: &[u8]) {
+    exercise_patch(data, |old, patch| {
+        crate::lz4diff::apply(old, patch, 1 << 20).ok()
+    });
+}
+
+/// A `bspatch`, `puffpatch` or `lz4diff` fuzz input: `old` and `patch` as [`exercise_bspatch`]
+/// reads them.
 pub fn bspatch_input(old: &[u8], patch: &[u8]) -> Vec<u8> {
     let mut v = (old.len().min(u16::MAX as usize) as u16)
         .to_le_bytes()

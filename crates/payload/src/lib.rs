@@ -19,12 +19,15 @@
 //! * [`verify`]: the metadata and payload signatures;
 //! * [`apply`]: a partition's operations applied, every hash checked;
 //! * [`bspatch`]: the BSDIFF40 and BSDF2 patches of SOURCE_BSDIFF and BROTLI_BSDIFF;
+//! * [`puffin`]: puffin's patches (PUFFDIFF), bsdiff between deflate streams puffed;
+//! * [`lz4diff`](mod@lz4diff): LZ4DIFF_BSDIFF and LZ4DIFF_PUFFDIFF, a patch between
+//!   LZ4-compressed files' contents and their recompression;
 //! * [`info`]: what a payload holds, as a report;
 //! * [`cow`](mod@cow): an incremental payload as the COW a Virtual A/B Compression
 //!   device writes for it (its merge operations as COPY and XOR ops, in their order).
 //!
-//! PUFFDIFF, ZUCCHINI and the LZ4DIFF operations are not applied yet: a payload
-//! using them fails before anything is written, naming the operation and partition.
+//! ZUCCHINI is not applied yet: a payload using it fails before anything is
+//! written, naming the operation and partition.
 
 pub mod apply;
 pub mod bspatch;
@@ -35,7 +38,9 @@ pub mod format;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod info;
+pub mod lz4diff;
 pub mod proto;
+pub mod puffin;
 pub mod source;
 pub mod verify;
 

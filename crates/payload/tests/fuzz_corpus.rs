@@ -1,6 +1,7 @@
-//! Replays the fuzz corpus of the payload reader (fuzz/corpus/payload_read) through the
-//! target's body in the normal test run, and regenerates its seeds: the sample full
-//! payload, an incremental one, and damaged copies.
+//! Replays the fuzz corpora of the payload reader and the patch formats
+//! (fuzz/corpus/{payload_read,bspatch,puffpatch,lz4diff}) through their targets'
+//! bodies in the normal test run, and regenerates their seeds: sample payloads and
+//! patches (puffin's own among them), and damaged copies.
 
 #[path = "../../../fuzz/replay.rs"]
 mod replay;
@@ -122,4 +123,75 @@ fn random_damage_to_the_seeds_never_panics() {
             payload::fuzzing::exercise_bspatch(&damage(&s));
         }
     }
+}
+
+/// `input`, and a copy with one byte changed in its second half.
+fn with_damaged(name: &str, input: Vec<u8>) -> Vec<(String, Vec<u8>)> {
+    let mut bad = input.clone();
+    let at = bad.len() * 3 / 4;
+    bad[at] ^= 0x10;
+    vec![(name.to_string(), input), (format!("{name}_damaged"), bad)]
+}
+
+/// puffpatch seeds: puffin's own patches (its tool's and its unit tests').
+fn puffpatch_seeds() -> Vec<(String, Vec<u8>)> {
+    let v = payload::fuzzing::puffin_vector;
+    let mut out = Vec::new();
+    for name in ["zip", "stored", "deflate", "bitgaps"] {
+        let input = payload::fuzzing::bspatch_input(
+            &v(&format!("{name}.src")),
+            &v(&format!("{name}.patch")),
+        );
+        out.extend(with_damaged(name, input));
+    }
+    let input = payload::fuzzing::bspatch_input(
+        &v("unittest/kDeflates8.bin"),
+        &v("unittest/kPatch8To9.bin"),
+    );
+    out.extend(with_damaged("kPatch8To9", input));
+    out
+}
+
+/// lz4diff seeds: a patch as update_engine's generator makes it, with block fixes.
+fn lz4diff_seeds() -> Vec<(String, Vec<u8>)> {
+    use payload::lz4diff::{CompressionAlgorithm, compress_for_tests, make_patch};
+    let dir = tempfile::tempdir().unwrap();
+    let hc = |level| CompressionAlgorithm { r#type: 2, level };
+    let old = payload::fuzzing::image(8, 4);
+    let mut new = old.clone();
+    new[5000..5100].fill(3);
+    let (oc, oi) = compress_for_tests(&hc(9), &old, 4096, true);
+    let (nc, ni) = compress_for_tests(&hc(12), &new, 4096, true);
+    let p = make_patch((&oc, &oi), (&nc, &ni), &hc(9), true, dir.path());
+    with_damaged("lz4hc", payload::fuzzing::bspatch_input(&oc, &p))
+}
+
+#[test]
+fn puffpatch_corpus_replays_without_panics() {
+    let inputs = replay::inputs("puffpatch");
+    assert!(!inputs.is_empty(), "empty corpus");
+    for input in inputs {
+        payload::fuzzing::exercise_puffpatch(&input);
+    }
+}
+
+#[test]
+#[ignore = "regenerates fuzz/corpus/puffpatch/seed_*"]
+fn generate_puffpatch_seed_corpus() {
+    replay::write_seeds("puffpatch", puffpatch_seeds());
+}
+
+#[test]
+fn lz4diff_corpus_replays_without_panics() {
+    let inputs = replay::inputs("lz4diff");
+    assert!(!inputs.is_empty(), "empty corpus");
+    for input in inputs {
+        payload::fuzzing::exercise_lz4diff(&input);
+    }
+}
+
+#[test]
+#[ignore = "regenerates fuzz/corpus/lz4diff/seed_*"]
+fn generate_lz4diff_seed_corpus() {
+    replay::write_seeds("lz4diff", lz4diff_seeds());
 }

@@ -312,47 +312,51 @@ fn a_changed_byte_another_key_or_an_unsupported_operation_leaves_nothing() {
         err.contains("no such partition (it has system, vendor)"),
         "{err}"
     );
-    // An operation vabc does not apply yet: named, before anything is written.
+    // An operation vabc does not apply yet, or a patch that does not apply: named,
+    // and nothing is written.
     let img = fuzzing::image(9, 4);
-    let mut b = fuzzing::Builder::new(8);
-    let part = b.partition("product", Some(img.clone()), &img);
-    let e = payload::proto::Extent::new;
-    b.op(
-        part,
-        payload::proto::OpType::Replace,
-        &[],
-        &[e(0, 2)],
-        Some(&img[..8192]),
-    );
-    b.op(
-        part,
-        payload::proto::OpType::Puffdiff,
-        &[e(2, 2)],
-        &[e(2, 2)],
-        Some(b"PUF1"),
-    );
-    let puff = f.dir.path().join("puff.bin");
-    std::fs::write(&puff, b.finish(None)).unwrap();
-    let old_dir = out_dir(&f, "old");
-    std::fs::write(old_dir.join("product.img"), &img).unwrap();
-    let err = fails(
-        &[
-            "payload",
-            "extract",
-            "--no-verify",
-            "--old",
-            s(&old_dir),
-            "-o",
-            s(&out),
-            s(&puff),
-        ],
-        1,
-    );
-    assert!(
-        err.contains("partition product, operation 1: PUFFDIFF is not supported"),
-        "{err}"
-    );
-    assert!(listing(&out).is_empty(), "{:?}", listing(&out));
+    for (t, want) in [
+        (
+            payload::proto::OpType::Zucchini,
+            "partition product, operation 1: ZUCCHINI is not supported",
+        ),
+        (
+            payload::proto::OpType::Puffdiff,
+            "partition product, operation 1 (PUFFDIFF): its puffin patch does not apply: 4 \
+             bytes: shorter than a puffin header",
+        ),
+    ] {
+        let mut b = fuzzing::Builder::new(8);
+        let part = b.partition("product", Some(img.clone()), &img);
+        let e = payload::proto::Extent::new;
+        b.op(
+            part,
+            payload::proto::OpType::Replace,
+            &[],
+            &[e(0, 2)],
+            Some(&img[..8192]),
+        );
+        b.op(part, t, &[e(2, 2)], &[e(2, 2)], Some(b"PUF1"));
+        let bad = f.dir.path().join("bad.bin");
+        std::fs::write(&bad, b.finish(None)).unwrap();
+        let old_dir = out_dir(&f, &format!("old-{}", t.name()));
+        std::fs::write(old_dir.join("product.img"), &img).unwrap();
+        let err = fails(
+            &[
+                "payload",
+                "extract",
+                "--no-verify",
+                "--old",
+                s(&old_dir),
+                "-o",
+                s(&out),
+                s(&bad),
+            ],
+            1,
+        );
+        assert!(err.contains(want), "{err}");
+        assert!(listing(&out).is_empty(), "{:?}", listing(&out));
+    }
 }
 
 #[test]
