@@ -18,8 +18,11 @@
 # ("This module version is not available") for github.com/ssut/payload-dumper-go at
 # @latest, v1.3.0 and v1.2.2.
 # Incremental: update_engine's own sample delta payload (BROTLI_BSDIFF,
-# SOURCE_COPY, ZERO, REPLACE_BZ, REPLACE_XZ), each tool's output compared with the
-# target images.
+# SOURCE_COPY, ZERO, REPLACE_BZ, REPLACE_XZ), and a payload of compressed and
+# executable files (PUFFDIFF with puffin's own patch of a zip's blocks,
+# LZ4DIFF_BSDIFF of an EROFS-like LZ4HC file, ZUCCHINI with a raw ensemble patch:
+# crates/payload/examples/compressed_payload.rs), each tool's output compared with
+# the target images.
 #
 # Usage: bench/payload.sh    ROUNDS=N (default 3); VABC=/path/to/vabc skips the build.
 set -euo pipefail
@@ -156,6 +159,39 @@ inc() { # TOOL OUTDIR
 			echo "| $t | both images exact |"
 		else
 			echo "| $t | fails: $(grep -v '^\s*$' "$WORK/log" | tail -1 | cut -c1-120 | tr '|' '/') |"
+		fi
+	done
+} >>"$OUT"
+
+# Incremental with compressed files.
+C=$WORK/compressed
+rm -rf "$C" && mkdir -p "$C"
+cargo run --release -q -p vabc-payload --features fuzzing --example compressed_payload -- "$C"
+cinc() { # TOOL OUTDIR
+	case $1 in
+	vabc) "$VABC" --no-progress payload extract --no-verify --old "$C/old" -o "$2" "$C/compressed.bin" ;;
+	pd-python) "$PD_PY" --diff --old "$C/old" --out "$2" "$C/compressed.bin" ;;
+	pd-rust) "$PD_RS" --source-dir "$C/old" --out "$2" "$C/compressed.bin" ;;
+	esac
+}
+{
+	echo
+	echo "Incremental with compressed and executable files (PUFFDIFF: puffin's own patch"
+	echo "of a zip's blocks; LZ4DIFF_BSDIFF: an EROFS-like LZ4HC file; ZUCCHINI: a raw"
+	echo "ensemble patch) applied to its old image:"
+	echo
+	echo "| tool | result |"
+	echo "|---|---|"
+	for t in "${TOOLS[@]}"; do
+		d=$C/out-$t
+		mkdir -p "$d"
+		if cinc "$t" "$d" >"$WORK/log" 2>&1 && cmp -s "$d/vendor.img" "$C/new/vendor.img"; then
+			echo "| $t | image exact |"
+		else
+			# The tool's first complaint (some exit 0 and leave a wrong image).
+			why=$(grep -iE 'unsupported|mismatch|error|fail' "$WORK/log" | head -1)
+			[ -n "$why" ] || why=$(grep -v '^\s*$' "$WORK/log" | tail -1)
+			echo "| $t | fails: $(echo "$why" | cut -c1-120 | tr '|' '/') |"
 		fi
 	done
 } >>"$OUT"

@@ -530,7 +530,7 @@ rng = Rng(0xD1B54A32D192ED03)
 words = vocabulary(rng, 400)
 a, b, c = text(rng, words, 3000), text(rng, words, 9000), text(rng, words, 1500)
 D, S = zipfile.ZIP_DEFLATED, zipfile.ZIP_STORED
-put("zip",
+zip_old, zip_new = (
     zip_archive([("META-INF/MANIFEST.MF", S, None, a),
                  ("tiny.txt", D, 6, b"hello, puffin\n"),
                  ("empty.txt", D, 6, b""),
@@ -541,6 +541,7 @@ put("zip",
                  ("empty.txt", D, 6, b""),
                  ("res/large.txt", D, 9, edit(rng, words, b, 4)),
                  ("res/added.txt", D, 6, text(rng, words, 5000))]))
+put("zip", zip_old, zip_new)
 
 # c. stored blocks: random bytes between text; zlib stores the blocks that are
 # only random (memLevel 5: blocks of at most 2 K symbols). The new file has a
@@ -580,6 +581,13 @@ put("deflate",
 # extents: puffin's own kDeflate11 (non-final fixed blocks, odd gaps, one
 # zero-length extent) to its kDeflates9.
 put("bitgaps", open(f"{unit}/kDeflate11.bin", "rb").read(), open(f"{unit}/kDeflates9.bin", "rb").read())
+
+# f. what update_engine diffs: a file's whole blocks, so the patch makes every
+# byte of the operation's destination. The archives of case b, each padded with
+# zeros to a multiple of 4096 bytes.
+def whole_blocks(d):
+    return d + bytes(-len(d) % 4096)
+put("blocks", whole_blocks(zip_old), whole_blocks(zip_new))
 EOF
 
 # --- cases ---------------------------------------------------------------------
@@ -591,6 +599,7 @@ CASES=(
 	"stored gzip"
 	"deflate deflate"
 	"bitgaps raw kSubblockDeflateExtents11 kSubblockDeflateExtents9"
+	"blocks zip"
 )
 : >"$V/cases.txt"
 : >"$WORK/extents.txt"
@@ -752,6 +761,7 @@ below), and \`NAME.src.puff\` / \`NAME.dst.puff\` (\`puffin --operation=puff\`).
 | \`stored\` | \`gzip\` | text with random runs, level 6, memLevel 5, so zlib emits stored blocks for the random runs; new: a changed random run, edited text, and a second gzip member |
 | \`deflate\` | \`deflate\` | a raw deflate stream with Z_BLOCK flushes: blocks end mid-byte, a stored block starts at an odd bit offset, a fixed block, an empty fixed block (Z_PARTIAL_FLUSH), an empty stored block (Z_SYNC_FLUSH) |
 | \`bitgaps\` | \`raw\` + bit extents | puffin's own \`kDeflate11\` (deflates separated by gaps of a few bits, one zero-length extent; \`kSubblockDeflateExtents11\`) to its \`kDeflates9\` (\`kSubblockDeflateExtents9\`), passed as \`--src_deflates_bit\`/\`--dst_deflates_bit\` |
+| \`blocks\` | \`zip\` | the archives of \`zip\`, each padded with zeros to whole 4096-byte blocks, as update_engine passes a file's blocks: the patch makes every byte of the destination |
 
 For every case the script checks, with the tool: \`puffpatch\` of \`NAME.patch\` on
 \`NAME.src\` gives \`NAME.dst\`; \`puffhuff\` of each side gives it back; \`huff\` of

@@ -327,8 +327,9 @@ fn check_ops(
             | OpType::BrotliBsdiff
             | OpType::Puffdiff
             | OpType::Lz4diffBsdiff
-            | OpType::Lz4diffPuffdiff => {}
-            OpType::Move | OpType::Bsdiff | OpType::Zucchini => {
+            | OpType::Lz4diffPuffdiff
+            | OpType::Zucchini => {}
+            OpType::Move | OpType::Bsdiff => {
                 return Err(Error::Unsupported {
                     partition: name.to_string(),
                     index,
@@ -352,6 +353,7 @@ fn check_ops(
                 | OpType::Puffdiff
                 | OpType::Lz4diffBsdiff
                 | OpType::Lz4diffPuffdiff
+                | OpType::Zucchini
         );
         if has_data {
             if op.data_offset.is_none() || op.data_length.is_none() {
@@ -477,7 +479,8 @@ fn make_op(
         | OpType::BrotliBsdiff
         | OpType::Puffdiff
         | OpType::Lz4diffBsdiff
-        | OpType::Lz4diffPuffdiff => {
+        | OpType::Lz4diffPuffdiff
+        | OpType::Zucchini => {
             let Some(old) = old else {
                 return Err(bad("the old partition is needed".into()));
             };
@@ -499,6 +502,9 @@ fn make_op(
             } else if t == OpType::Puffdiff {
                 crate::puffin::apply(&src, &data, dst_len)
                     .map_err(|e| bad(format!("its puffin patch does not apply: {e}")))?
+            } else if t == OpType::Zucchini {
+                crate::zucchini::apply(&src, &data, dst_len)
+                    .map_err(|e| bad(format!("its zucchini patch does not apply: {e}")))?
             } else if matches!(t, OpType::Lz4diffBsdiff | OpType::Lz4diffPuffdiff) {
                 // The inner patch's type is the header's, as update_engine reads it.
                 crate::lz4diff::apply(&src, &data, dst_len)

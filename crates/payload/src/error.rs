@@ -34,7 +34,8 @@ pub enum Error {
     #[error(
         "partition {partition}, operation {index}: {op} is not supported: vabc applies \
          REPLACE, REPLACE_BZ, REPLACE_XZ, REPLACE_ZSTD, ZERO, DISCARD, SOURCE_COPY, \
-         SOURCE_BSDIFF, BROTLI_BSDIFF, PUFFDIFF, LZ4DIFF_BSDIFF and LZ4DIFF_PUFFDIFF"
+         SOURCE_BSDIFF, BROTLI_BSDIFF, PUFFDIFF, LZ4DIFF_BSDIFF, LZ4DIFF_PUFFDIFF and \
+         ZUCCHINI (raw elements)"
     )]
     Unsupported {
         /// The partition.

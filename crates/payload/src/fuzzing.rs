@@ -499,11 +499,13 @@ pub fn lz4_text(seed: u64, len: usize) -> Vec<u8> {
     v
 }
 
-/// An incremental payload of one partition (vendor) whose files are compressed:
-/// a zip changed by a PUFFDIFF operation (puffin's own patch, its `zip` vector), and
-/// an EROFS-like LZ4HC file changed by an LZ4DIFF_BSDIFF operation (made as
-/// update_engine's generator makes it, with fixes for blocks compressed at another
-/// level). Returns it, the old image and the new one.
+/// An incremental payload of one partition (vendor) whose files are compressed or
+/// executable: a zip changed by a PUFFDIFF operation (puffin's own patch of its
+/// blocks, its `blocks` vector), an EROFS-like LZ4HC file changed by an
+/// LZ4DIFF_BSDIFF operation (made as update_engine's generator makes it, with fixes
+/// for blocks compressed at another level), and a binary changed by a ZUCCHINI
+/// operation (a raw ensemble patch, brotli-compressed). Returns it, the old image and
+/// the new one.
 pub fn sample_incremental_compressed(dir: &std::path::Path) -> (Vec<u8>, Vec<u8>, Vec<u8>) {
     use crate::lz4diff::{CompressionAlgorithm, compress_for_tests, make_patch};
     let bs = 4096usize;
@@ -511,7 +513,7 @@ pub fn sample_incremental_compressed(dir: &std::path::Path) -> (Vec<u8>, Vec<u8>
         v.resize(v.len().div_ceil(bs) * bs, 0);
         v
     };
-    let (zip_old, zip_new) = (puffin_vector("zip.src"), puffin_vector("zip.dst"));
+    let (zip_old, zip_new) = (puffin_vector("blocks.src"), puffin_vector("blocks.dst"));
     let hc = |level| CompressionAlgorithm { r#type: 2, level };
     let text = lz4_text(21, 120_000);
     let mut edited = text.clone();
@@ -528,9 +530,16 @@ pub fn sample_incremental_compressed(dir: &std::path::Path) -> (Vec<u8>, Vec<u8>
         dir,
     );
     let zo = pad(zip_old);
-    let zn = pad(zip_new.clone());
-    let old = [zo.clone(), lz_old.clone()].concat();
-    let new = [zn.clone(), lz_new.clone()].concat();
+    let zn = pad(zip_new);
+    let bin_old = image(31, 6);
+    let mut bin_new = bin_old[4096..].to_vec();
+    bin_new.extend_from_slice(&bin_old[..4096]);
+    bin_new[300..340].fill(0x90);
+    let zuc = crate::zucchini::brotli_for_tests(&crate::zucchini::raw_patch_for_tests(
+        &bin_old, &bin_new,
+    ));
+    let old = [zo.clone(), lz_old.clone(), bin_old.clone()].concat();
+    let new = [zn.clone(), lz_new.clone(), bin_new.clone()].concat();
     let blocks = |v: &[u8]| (v.len() / bs) as u64;
     let e = Extent::new;
     let mut b = Builder::new(9);
@@ -548,6 +557,14 @@ pub fn sample_incremental_compressed(dir: &std::path::Path) -> (Vec<u8>, Vec<u8>
         &[e(blocks(&zo), blocks(&lz_old))],
         &[e(blocks(&zn), blocks(&lz_new))],
         Some(&lz_patch),
+    );
+    let at = blocks(&zo) + blocks(&lz_old);
+    b.op(
+        part,
+        OpType::Zucchini,
+        &[e(at, blocks(&bin_old))],
+        &[e(blocks(&zn) + blocks(&lz_new), blocks(&bin_new))],
+        Some(&zuc),
     );
     (b.finish(None), old, new)
 }
@@ -677,7 +694,20 @@ pub fn exercise_lz4diff(data: &[u8]) {
     });
 }
 
-/// A `bspatch`, `puffpatch` or `lz4diff` fuzz input: `old` and `patch` as [`exercise_bspatch`]
+/// The body of the `zucchini` fuzz target: the input as [`exercise_bspatch`] reads
+/// it, the patch a zucchini patch (not brotli-compressed, so that the fuzzer reaches
+/// the parser). Nothing may panic, and nothing larger than 1 MiB may be made.
+pub fn exercise_zucchini(data: &[u8]) {
+    exercise_patch(data, |old, patch| {
+        // The size it claims, so that a patch can apply; bounded.
+        let n = patch
+            .get(16..20)
+            .map_or(0, |b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+        crate::zucchini::apply_patch(old, patch, u64::from(n).min(1 << 20)).ok()
+    });
+}
+
+/// A `bspatch`, `puffpatch`, `lz4diff` or `zucchini` fuzz input: `old` and `patch` as [`exercise_bspatch`]
 /// reads them.
 pub fn bspatch_input(old: &[u8], patch: &[u8]) -> Vec<u8> {
     let mut v = (old.len().min(u16::MAX as usize) as u16)

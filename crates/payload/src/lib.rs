@@ -22,12 +22,11 @@
 //! * [`puffin`]: puffin's patches (PUFFDIFF), bsdiff between deflate streams puffed;
 //! * [`lz4diff`](mod@lz4diff): LZ4DIFF_BSDIFF and LZ4DIFF_PUFFDIFF, a patch between
 //!   LZ4-compressed files' contents and their recompression;
+//! * [`zucchini`]: Zucchini's ensemble patches (ZUCCHINI), their raw elements; an
+//!   executable element (ELF, DEX) is refused, naming its type;
 //! * [`info`]: what a payload holds, as a report;
 //! * [`cow`](mod@cow): an incremental payload as the COW a Virtual A/B Compression
 //!   device writes for it (its merge operations as COPY and XOR ops, in their order).
-//!
-//! ZUCCHINI is not applied yet: a payload using it fails before anything is
-//! written, naming the operation and partition.
 
 pub mod apply;
 pub mod bspatch;
@@ -43,6 +42,7 @@ pub mod proto;
 pub mod puffin;
 pub mod source;
 pub mod verify;
+pub mod zucchini;
 
 pub use error::{Error, Result};
 pub use format::Payload;

@@ -1,5 +1,5 @@
 //! Replays the fuzz corpora of the payload reader and the patch formats
-//! (fuzz/corpus/{payload_read,bspatch,puffpatch,lz4diff}) through their targets'
+//! (fuzz/corpus/{payload_read,bspatch,puffpatch,lz4diff,zucchini}) through their targets'
 //! bodies in the normal test run, and regenerates their seeds: sample payloads and
 //! patches (puffin's own among them), and damaged copies.
 
@@ -194,4 +194,31 @@ fn lz4diff_corpus_replays_without_panics() {
 #[ignore = "regenerates fuzz/corpus/lz4diff/seed_*"]
 fn generate_lz4diff_seed_corpus() {
     replay::write_seeds("lz4diff", lz4diff_seeds());
+}
+
+/// zucchini seeds: a raw ensemble patch of blocks with copies, differences and extra
+/// data, uncompressed.
+fn zucchini_seeds() -> Vec<(String, Vec<u8>)> {
+    let old = payload::fuzzing::image(12, 4);
+    let mut new = old[4096..].to_vec();
+    new.extend_from_slice(&old[..4096]);
+    new[10] ^= 1;
+    new[5000..5100].fill(9);
+    let p = payload::zucchini::raw_patch_for_tests(&old, &new);
+    with_damaged("raw", payload::fuzzing::bspatch_input(&old, &p))
+}
+
+#[test]
+fn zucchini_corpus_replays_without_panics() {
+    let inputs = replay::inputs("zucchini");
+    assert!(!inputs.is_empty(), "empty corpus");
+    for input in inputs {
+        payload::fuzzing::exercise_zucchini(&input);
+    }
+}
+
+#[test]
+#[ignore = "regenerates fuzz/corpus/zucchini/seed_*"]
+fn generate_zucchini_seed_corpus() {
+    replay::write_seeds("zucchini", zucchini_seeds());
 }

@@ -104,7 +104,7 @@ fn a_signed_incremental_payload_applies_every_source_operation() {
 }
 
 #[test]
-fn compressed_files_apply_through_puffdiff_and_lz4diff() {
+fn compressed_and_executable_files_apply_through_puffdiff_lz4diff_and_zucchini() {
     let dir = tempfile::tempdir().unwrap();
     let (bytes, old, new) = fuzzing::sample_incremental_compressed(dir.path());
     let p = open_bytes(&bytes).unwrap();
@@ -253,9 +253,9 @@ fn operations_we_do_not_apply_and_bad_extents_fail_before_any_write() {
     type Case = (&'static str, Box<dyn Fn(&mut Builder, usize)>);
     let cases: Vec<Case> = vec![
         (
-            "ZUCCHINI is not supported",
+            "BSDIFF is not supported",
             Box::new(|b: &mut Builder, p| {
-                b.op(p, OpType::Zucchini, &[e(0, 1)], &[e(0, 1)], Some(b"x"))
+                b.op(p, OpType::Bsdiff, &[e(0, 1)], &[e(0, 1)], Some(b"x"))
             }),
         ),
         (

@@ -317,8 +317,8 @@ fn a_changed_byte_another_key_or_an_unsupported_operation_leaves_nothing() {
     let img = fuzzing::image(9, 4);
     for (t, want) in [
         (
-            payload::proto::OpType::Zucchini,
-            "partition product, operation 1: ZUCCHINI is not supported",
+            payload::proto::OpType::Bsdiff,
+            "partition product, operation 1: BSDIFF is not supported",
         ),
         (
             payload::proto::OpType::Puffdiff,
