@@ -117,7 +117,7 @@ pub fn apply_partition(
         let hasher = new_hash
             .as_ref()
             .map(|_| sc.spawn(|| mark.hash(out, out_name, new, bs)));
-        let (tx, rx) = std::sync::mpsc::sync_channel::<(usize, Vec<u8>)>(4);
+        let (tx, rx) = std::sync::mpsc::sync_channel::<(usize, Vec<u8>)>(1);
         let writer = sc.spawn(|| -> Result<()> {
             for (index, data) in rx {
                 let runs = &part.operations[index].dst_extents;
