@@ -98,39 +98,30 @@ pub fn apply(old: &[u8], patch: &[u8], max_new: u64) -> Result<Vec<u8>, PatchErr
             body.len()
         )));
     };
-    // A stream never holds more than the new size (diff, extra) or a triple per
-    // output byte (control): decompression stops there, so a crafted stream cannot
-    // make us allocate more than the output's order.
-    let ctrl = decode(
-        codecs[0],
-        &body[..ctrl_end],
-        "control",
-        new_len.saturating_mul(24) + 24,
-    )?;
-    let diff = decode(codecs[1], &body[ctrl_end..diff_end], "diff", new_len)?;
-    let extra = decode(codecs[2], &body[diff_end..], "extra", new_len)?;
+    // The streams are decoded as the control numbers consume them: memory is the
+    // output, which the data written into it backs, never what a stream claims (a
+    // few KB of bzip2 can expand to gigabytes).
+    let mut ctrl = Stream::new(codecs[0], &body[..ctrl_end], "control")?;
+    let mut diff = Stream::new(codecs[1], &body[ctrl_end..diff_end], "diff")?;
+    let mut extra = Stream::new(codecs[2], &body[diff_end..], "extra")?;
 
-    let mut new = vec![0u8; new_len];
-    let (mut new_pos, mut old_pos, mut diff_pos, mut extra_pos) = (0usize, 0i64, 0usize, 0usize);
-    let mut c = 0usize;
-    while new_pos < new_len {
-        if c + 24 > ctrl.len() {
-            return Err(invalid(format!(
-                "the control stream ends at byte {new_pos} of {new_len}"
-            )));
-        }
-        let (x, y, z) = (int(&ctrl[c..]), int(&ctrl[c + 8..]), int(&ctrl[c + 16..]));
-        c += 24;
+    let mut new: Vec<u8> = Vec::with_capacity(new_len.min(64 << 20));
+    let mut old_pos = 0i64;
+    while new.len() < new_len {
+        let new_pos = new.len();
+        let mut c = [0u8; 24];
+        ctrl.read(&mut c, new_pos)?;
+        let (x, y, z) = (int(&c), int(&c[8..]), int(&c[16..]));
         let x = len(x, "diff run")?;
         let y = len(y, "extra run")?;
-        if x > new_len - new_pos || x > diff.len() - diff_pos {
+        if x > new_len - new_pos {
             return Err(invalid(format!(
-                "a diff run of {x} bytes at output byte {new_pos} runs past the output or \
-                 the diff stream"
+                "a diff run of {x} bytes at output byte {new_pos} runs past the output"
             )));
         }
-        let out = &mut new[new_pos..new_pos + x];
-        out.copy_from_slice(&diff[diff_pos..diff_pos + x]);
+        new.resize(new_pos + x, 0);
+        let out = &mut new[new_pos..];
+        diff.read(out, new_pos)?;
         // Bytes of the old data outside it add nothing (bsdiff's rule).
         for (i, b) in out.iter_mut().enumerate() {
             let o = old_pos.wrapping_add(i as i64);
@@ -138,60 +129,57 @@ pub fn apply(old: &[u8], patch: &[u8], max_new: u64) -> Result<Vec<u8>, PatchErr
                 *b = b.wrapping_add(ob);
             }
         }
-        new_pos += x;
-        diff_pos += x;
         old_pos = old_pos.saturating_add(x as i64);
-        if y > new_len - new_pos || y > extra.len() - extra_pos {
+        let new_pos = new.len();
+        if y > new_len - new_pos {
             return Err(invalid(format!(
-                "an extra run of {y} bytes at output byte {new_pos} runs past the output or \
-                 the extra stream"
+                "an extra run of {y} bytes at output byte {new_pos} runs past the output"
             )));
         }
-        new[new_pos..new_pos + y].copy_from_slice(&extra[extra_pos..extra_pos + y]);
-        new_pos += y;
-        extra_pos += y;
+        new.resize(new_pos + y, 0);
+        extra.read(&mut new[new_pos..], new_pos)?;
         old_pos = old_pos.saturating_add(z);
     }
     Ok(new)
 }
 
-/// Decompresses one stream with `codec`, reading at most `limit` bytes of output (one
-/// more is read to tell an oversized stream).
-fn decode(
-    codec: u8,
-    data: &[u8],
-    stream: &'static str,
-    limit: usize,
-) -> Result<Vec<u8>, PatchError> {
-    let err = |source| PatchError::Codec { stream, source };
-    let mut out = Vec::new();
-    let cap = limit as u64 + 1;
-    match codec {
-        0 => out.extend_from_slice(&data[..data.len().min(limit + 1)]),
-        1 => {
-            bzip2::read::BzDecoder::new(data)
-                .take(cap)
-                .read_to_end(&mut out)
-                .map_err(err)?;
-        }
-        2 => {
-            brotli::Decompressor::new(data, 64 << 10)
-                .take(cap)
-                .read_to_end(&mut out)
-                .map_err(err)?;
-        }
-        c => {
-            return Err(PatchError::Invalid(format!(
-                "the {stream} stream's codec {c} is none of 0 (none), 1 (bzip2), 2 (brotli)"
-            )));
-        }
+/// One of the three streams, decoded as it is read.
+struct Stream<'a> {
+    name: &'static str,
+    reader: Box<dyn Read + 'a>,
+}
+
+impl<'a> Stream<'a> {
+    fn new(codec: u8, data: &'a [u8], name: &'static str) -> Result<Stream<'a>, PatchError> {
+        let reader: Box<dyn Read + 'a> = match codec {
+            0 => Box::new(data),
+            1 => Box::new(bzip2::read::BzDecoder::new(data)),
+            2 => Box::new(brotli::Decompressor::new(data, 64 << 10)),
+            c => {
+                return Err(PatchError::Invalid(format!(
+                    "the {name} stream's codec {c} is none of 0 (none), 1 (bzip2), 2 (brotli)"
+                )));
+            }
+        };
+        Ok(Stream { name, reader })
     }
-    if out.len() > limit {
-        return Err(PatchError::Invalid(format!(
-            "the {stream} stream holds more than the {limit} bytes it can use"
-        )));
+
+    /// Fills `buf` (for output byte `at`), or says the stream ended or is corrupt.
+    fn read(&mut self, buf: &mut [u8], at: usize) -> Result<(), PatchError> {
+        self.reader.read_exact(buf).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                PatchError::Invalid(format!(
+                    "the {} stream ends before output byte {at} of the patch",
+                    self.name
+                ))
+            } else {
+                PatchError::Codec {
+                    stream: self.name,
+                    source: e,
+                }
+            }
+        })
     }
-    Ok(out)
 }
 
 #[cfg(test)]
@@ -220,6 +208,31 @@ mod tests {
         p.extend(diff);
         p.extend(extra);
         p
+    }
+
+    #[test]
+    fn a_stream_that_expands_hugely_is_read_only_as_far_as_used() {
+        // 256 MiB of zero triples in a few hundred bytes of bzip2: read as consumed,
+        // they make no progress and end the patch with an error, never a 256 MiB
+        // buffer.
+        let mut ctrl = Vec::new();
+        let mut e = bzip2::write::BzEncoder::new(&mut ctrl, bzip2::Compression::best());
+        let zeros = vec![0u8; 1 << 20];
+        for _ in 0..256 {
+            std::io::Write::write_all(&mut e, &zeros).unwrap();
+        }
+        e.finish().unwrap();
+        assert!(ctrl.len() < 4096, "{}", ctrl.len());
+        let mut p = b"BSDF2\x01\0\0".to_vec();
+        p.extend(put(ctrl.len() as i64));
+        p.extend(put(0));
+        p.extend(put(1));
+        p.extend(ctrl);
+        let e = apply(b"a", &p, 1).unwrap_err().to_string();
+        assert!(
+            e.contains("extra stream ends") || e.contains("control stream ends"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -167,7 +167,11 @@ fn blocks(info: &CompressionInfo, side: &str) -> Result<(Vec<Block>, usize, usiz
                 b.uncompressed_offset
             )));
         }
-        if b.uncompressed_length > b.compressed_length.saturating_mul(MAX_RATIO) + 16 {
+        if b.uncompressed_length
+            > b.compressed_length
+                .saturating_mul(MAX_RATIO)
+                .saturating_add(16)
+        {
             return Err(invalid(format!(
                 "{side} block {i} claims {} bytes from {} compressed",
                 b.uncompressed_length, b.compressed_length
@@ -180,6 +184,14 @@ fn blocks(info: &CompressionInfo, side: &str) -> Result<(Vec<Block>, usize, usiz
         to_int(len, "a block")?;
         to_int(clen, "a block")?;
         out.push(Block { len, clen });
+    }
+    // Either side is held whole in memory: at most what one operation may write.
+    if total > crate::apply::MAX_OP_BYTES {
+        return Err(invalid(format!(
+            "the {side} blocks decompress to {total} bytes; vabc holds at most {} for an \
+             operation",
+            crate::apply::MAX_OP_BYTES
+        )));
     }
     let total = usize::try_from(total).map_err(|_| invalid("total length"))?;
     let ctotal = usize::try_from(ctotal).map_err(|_| invalid("total length"))?;
@@ -390,16 +402,14 @@ pub fn apply(old: &[u8], patch: &[u8], max_new: u64) -> Result<Vec<u8>, Lz4DiffE
     }
     let algo = dst_info.algo.clone().unwrap_or_default();
     let mut state = HcState::new();
-    let fixes = dst_info
-        .block_info
-        .iter()
-        .any(|b| !b.postfix_bspatch.is_empty());
     let mut out = Vec::with_capacity(dst_ctotal + raw.len() - dst_total);
     let mut at = 0usize;
     for (i, (b, info)) in dst_blocks.iter().zip(&dst_info.block_info).enumerate() {
         let bad = |what: String| invalid(format!("target block {i}: {what}"));
         let block = if b.clen >= b.len {
-            if fixes && b.clen != b.len {
+            // update_engine writes a stored block's length, not its compressed
+            // length; the two differ only in a patch that shifts every block after.
+            if b.clen != b.len {
                 return Err(bad(format!("stored with {} bytes for {}", b.clen, b.len)));
             }
             raw[at..at + b.len].to_vec()
@@ -684,9 +694,27 @@ mod tests {
             Err(Lz4DiffError::Magic(_))
         ));
         assert!(apply(&sc, &p[..15], max).is_err());
-        assert!(apply(&sc, &p[..p.len() - 10], max).is_err());
+        // Cut inside the inner patch's control stream (its trailing bytes may go
+        // unread, as bspatch reads only what the control numbers ask for).
+        let h = u32::from_be_bytes([p[11], p[12], p[13], p[14]]) as usize;
+        assert!(apply(&sc, &p[..16 + h + 40], max).is_err());
         assert!(apply(&sc[..sc.len() - 4096], &p, max).is_err());
         assert!(apply(&sc, &p, max - 1).is_err());
+        // A stored target block longer than its data, and blocks claiming more than
+        // an operation may hold: refused before anything is made.
+        let header =
+            |p: &[u8]| -> Lz4diffHeader { prost::Message::decode(&p[16..16 + h]).unwrap() };
+        let inner = &p[16 + h..];
+        let mut x = header(&p);
+        let b = x.dst_info.as_mut().unwrap().block_info.last_mut().unwrap();
+        b.uncompressed_length = b.compressed_length - 1;
+        let e = apply(&sc, &encode(&x, inner), max).unwrap_err().to_string();
+        assert!(e.contains("stored with"), "{e}");
+        let mut x = header(&p);
+        let b = &mut x.src_info.as_mut().unwrap().block_info[0];
+        b.compressed_length = u64::MAX / 2;
+        b.uncompressed_length = u64::MAX / 2;
+        assert!(apply(&sc, &encode(&x, inner), max).is_err());
         let mut other = sc.clone();
         other[100] ^= 0x55;
         let _ = apply(&other, &p, max);

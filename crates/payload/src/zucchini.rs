@@ -162,11 +162,17 @@ fn equivalences(
     mut src_skip: &[u8],
     mut dst_skip: &[u8],
     mut count: &[u8],
+    max: usize,
 ) -> Result<Vec<Equivalence>, String> {
     let mut out = Vec::new();
     let (mut src_end, mut dst_end) = (0i64, 0u32);
     while !src_skip.is_empty() && !dst_skip.is_empty() && !count.is_empty() {
         let bad = || format!("equivalence {} is malformed", out.len());
+        // Each copies at least a byte in any patch Zucchini writes; empty ones would
+        // be memory for nothing.
+        if out.len() > max {
+            return Err(format!("more than {max} equivalences"));
+        }
         let len = varuint(&mut count).ok_or_else(bad)?;
         let src = src_end + i64::from(varint(&mut src_skip).ok_or_else(bad)?);
         let src = u32::try_from(src).map_err(|_| bad())?;
@@ -205,7 +211,7 @@ fn element<'a>(r: &mut Reader<'a>, index: usize) -> Result<Element<'a>, Zucchini
     }
     let (src_skip, dst_skip, count) = (r.stream(&what)?, r.stream(&what)?, r.stream(&what)?);
     let extra = r.stream(&what)?;
-    let equivalences = equivalences(src_skip, dst_skip, count).map_err(bad)?;
+    let equivalences = equivalences(src_skip, dst_skip, count, new_len as usize).map_err(bad)?;
     let mut copied = 0u64;
     for (i, e) in equivalences.iter().enumerate() {
         if e.src >= old_len
@@ -299,10 +305,10 @@ fn apply_raw(e: &Element<'_>, o: &[u8], n: &mut [u8]) -> Result<(), String> {
 /// operation's source blocks); they must be `new_len` bytes (its destination's),
 /// as update_engine requires.
 pub fn apply(old: &[u8], data: &[u8], new_len: u64) -> Result<Vec<u8>, ZucchiniError> {
-    // A patch holds its extra data (at most the new size) and at most 6 bytes of raw
-    // delta per new byte: anything decompressing past this is refused before it is
-    // held.
-    let most = new_len.saturating_mul(8).saturating_add(1 << 20);
+    // A patch holds its extra data (at most the new size) and, for each copied byte
+    // it changes, a difference and its skip (two bytes in a patch that changes every
+    // one): anything decompressing past this is refused before it is held.
+    let most = new_len.saturating_mul(4).saturating_add(1 << 20);
     let mut patch = Vec::new();
     brotli::Decompressor::new(data, 64 << 10)
         .take(most + 1)
@@ -339,7 +345,7 @@ pub fn apply_patch(old: &[u8], patch: &[u8], new_len: u64) -> Result<Vec<u8>, Zu
         )));
     }
     let count = r.u32("the element count")? as usize;
-    let mut elements = Vec::with_capacity(count.min(patch.len() / 22));
+    let mut elements = Vec::with_capacity(count.min(1024));
     let mut end = 0usize;
     for i in 0..count {
         let e = element(&mut r, i)?;
@@ -506,7 +512,7 @@ mod tests {
         for b in [0x10, 0x20, 0x40] {
             assert_eq!(varuint(&mut &[0x80, 0x80, 0x80, 0x80, b][..]), Some(0));
         }
-        let e = equivalences(&[0x06, 0x07], &[0x07, 0x01], &[0x02, 0x01]).unwrap();
+        let e = equivalences(&[0x06, 0x07], &[0x07, 0x01], &[0x02, 0x01], 16).unwrap();
         let eq = |src, dst, len| Equivalence { src, dst, len };
         assert_eq!(e, [eq(3, 7, 2), eq(1, 10, 1)]);
     }

@@ -89,7 +89,7 @@ pub(crate) struct Full;
 impl BitWriter {
     pub(crate) fn new(cap: usize) -> Self {
         BitWriter {
-            out: Vec::with_capacity(cap),
+            out: Vec::with_capacity(cap.min(64 << 20)),
             cap,
             holder: 0,
             holder_bits: 0,

@@ -119,6 +119,8 @@ pub(crate) fn huff(puff: &[u8], w: &mut BitWriter) -> Result<(), Invalid> {
         at: 0,
         in_block: false,
     };
+    // The fixed code, made once: a crafted puff can hold a fixed block per few bits.
+    let fixed = fixed_encoders()?;
     while r.left() != 0 {
         let Item::Metadata(meta) = r.next()? else {
             return Err(invalid(format!(
@@ -158,12 +160,11 @@ pub(crate) fn huff(puff: &[u8], w: &mut BitWriter) -> Result<(), Invalid> {
                 }
                 continue;
             }
-            1 => {
-                let (l, d) = super::huffman::fixed_lengths();
-                let enc = |lens: &[u8]| Encoder::new(lens).ok_or_else(|| invalid("fixed code"));
-                (enc(&l)?, enc(&d)?)
+            1 => fixed.clone(),
+            2 => {
+                let (l, d) = dynamic_header(&meta[1..], w)?;
+                (std::rc::Rc::new(l), std::rc::Rc::new(d))
             }
-            2 => dynamic_header(&meta[1..], w)?,
             _ => return Err(invalid(format!("a block of type 3 at byte {}", r.at))),
         };
         let put = |w: &mut BitWriter, e: &Encoder, sym: usize| -> Result<(), Invalid> {
@@ -203,6 +204,18 @@ pub(crate) fn huff(puff: &[u8], w: &mut BitWriter) -> Result<(), Invalid> {
         }
     }
     w.flush().map_err(full)
+}
+
+type Codes = (std::rc::Rc<Encoder>, std::rc::Rc<Encoder>);
+
+fn fixed_encoders() -> Result<Codes, Invalid> {
+    let (l, d) = super::huffman::fixed_lengths();
+    let enc = |lens: &[u8]| {
+        Encoder::new(lens)
+            .map(std::rc::Rc::new)
+            .ok_or_else(|| invalid("fixed code"))
+    };
+    Ok((enc(&l)?, enc(&d)?))
 }
 
 /// The last entry of `bases` not above `v` (bases ascend; `v` is at least the first).

@@ -108,13 +108,27 @@ struct Patch<'a> {
 fn layout(info: Option<StreamInfo>, side: &str, deflated_max: u64) -> Result<Layout, PuffError> {
     let info = info.unwrap_or_default();
     let deflates: Vec<(u64, u64)> = info.deflates.iter().map(|e| (e.offset, e.length)).collect();
-    // Puffs are byte extents written in bits.
+    // Puffs are byte extents written in bits (puffin's generator writes whole bytes;
+    // its reader drops the rest, which would misplace every byte after).
+    if let Some(e) = info
+        .puffs
+        .iter()
+        .find(|e| e.offset % 8 != 0 || e.length % 8 != 0)
+    {
+        return Err(invalid(format!(
+            "the {side} stream's puff at bit {} is not whole bytes",
+            e.offset
+        )));
+    }
     let puffs: Vec<(u64, u64)> = info
         .puffs
         .iter()
         .map(|e| (e.offset / 8, e.length / 8))
         .collect();
+    // A puffed form is held whole: bounded by what its side can puff to, and by
+    // what an operation may hold.
     let most = deflated_max
+        .min(crate::apply::MAX_OP_BYTES)
         .saturating_mul(PUFF_GROWTH)
         .saturating_add(1 << 20);
     if info.puff_length > most {

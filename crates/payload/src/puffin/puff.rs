@@ -133,7 +133,13 @@ pub(crate) fn puff(
     mut blocks: Option<&mut Vec<(u64, u64)>>,
 ) -> Result<Vec<u8>, Invalid> {
     let mut w = PuffWriter::new(cap);
+    // The fixed code's tables, made once: a crafted stream can hold a fixed block per
+    // few bits.
     let (fixed_ll, fixed_d) = fixed_lengths();
+    let fixed = match (Decoder::new(&fixed_ll), Decoder::new(&fixed_d)) {
+        (Some(l), Some(d)) => (std::rc::Rc::new(l), std::rc::Rc::new(d)),
+        _ => return Err(invalid("fixed code")),
+    };
     let short = |what: &str, r: &BitReader<'_>| {
         invalid(format!(
             "the deflate stream ends inside {what} at bit {}",
@@ -176,15 +182,13 @@ pub(crate) fn puff(
             }
             1 => {
                 w.metadata(&[header])?;
-                let ll = Decoder::new(&fixed_ll).ok_or_else(|| invalid("fixed code"))?;
-                let d = Decoder::new(&fixed_d).ok_or_else(|| invalid("fixed code"))?;
-                (ll, d)
+                fixed.clone()
             }
             2 => {
                 let mut meta = vec![header];
                 let (ll, d) = dynamic_header(r, &mut meta)?;
                 w.metadata(&meta)?;
-                (ll, d)
+                (std::rc::Rc::new(ll), std::rc::Rc::new(d))
             }
             _ => {
                 return Err(invalid(format!(

@@ -132,7 +132,8 @@ fn byte_range(src: &[u8], from: u64, to: u64) -> Result<&[u8], Invalid> {
 /// The puffed form of `src`.
 pub(crate) fn puff_stream(src: &[u8], l: &Layout) -> Result<Vec<u8>, Invalid> {
     let total = usize::try_from(l.puff_size).map_err(|_| invalid("puffed size"))?;
-    let mut out = Vec::with_capacity(total);
+    // Grown as puffing backs it, not reserved as the header claims.
+    let mut out = Vec::with_capacity(total.min(64 << 20));
     let (mut i, mut puff_pos, mut bit) = l.start()?;
     while out.len() < total {
         let (p, d) = (l.puffs[i], l.deflates[i]);
@@ -227,7 +228,7 @@ pub(crate) fn huff_stream(puffed: &[u8], l: &Layout, max: u64) -> Result<Vec<u8>
             l.deflated_size
         )));
     }
-    let mut out: Vec<u8> = Vec::with_capacity(l.deflated_size as usize);
+    let mut out: Vec<u8> = Vec::with_capacity((l.deflated_size as usize).min(64 << 20));
     let (mut i, mut puff_pos, mut bit) = l.start()?;
     let n = l.puffs.len();
     // Whether the byte after a puff holds the bits after its deflate (the next
@@ -315,6 +316,15 @@ pub(crate) fn huff_stream(puffed: &[u8], l: &Layout, max: u64) -> Result<Vec<u8>
     }
     if at != puffed.len() {
         return Err(invalid("puffed bytes are left after the last puff"));
+    }
+    // Puffin would stop short where the extents are inconsistent; a patch that makes
+    // fewer bytes than its header says is refused instead.
+    if out.len() as u64 != l.deflated_size {
+        return Err(invalid(format!(
+            "the puffed stream huffs to {} bytes, the patch says {}",
+            out.len(),
+            l.deflated_size
+        )));
     }
     Ok(out)
 }

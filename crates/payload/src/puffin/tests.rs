@@ -315,3 +315,29 @@ fn puffins_unit_patches_apply() {
         [11, 22, 33, 44]
     );
 }
+
+#[test]
+fn inconsistent_extents_are_refused() {
+    let patch = vector("zip.patch");
+    let (src, dst) = (vector("zip.src"), vector("zip.dst"));
+    let n = u32::from_be_bytes([patch[4], patch[5], patch[6], patch[7]]) as usize;
+    let mut h: PatchHeader = prost::Message::decode(&patch[8..8 + n]).unwrap();
+    let reencode = |h: &PatchHeader| {
+        let b = prost::Message::encode_to_vec(h);
+        let mut p = MAGIC.to_vec();
+        p.extend((b.len() as u32).to_be_bytes());
+        p.extend(b);
+        p.extend_from_slice(&patch[8 + n..]);
+        p
+    };
+    assert!(apply(&src, &reencode(&h), dst.len() as u64).unwrap() == dst);
+    // A puff that is not whole bytes.
+    let mut bad = h.clone();
+    bad.dst.as_mut().unwrap().puffs[0].offset += 3;
+    let e = apply(&src, &reencode(&bad), dst.len() as u64).unwrap_err();
+    assert!(e.to_string().contains("not whole bytes"), "{e}");
+    // A puffed size that claims gigabytes for a small file.
+    h.src.as_mut().unwrap().puff_length = 1 << 40;
+    let e = apply(&src, &reencode(&h), dst.len() as u64).unwrap_err();
+    assert!(e.to_string().contains("can puff to"), "{e}");
+}
