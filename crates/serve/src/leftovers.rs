@@ -230,7 +230,13 @@ pub fn cleanup(dir: &Path) -> Result<Vec<Removed>, ServeError> {
     paths.sort();
     let mut out = Vec::new();
     for path in paths {
-        let text = std::fs::read_to_string(&path).map_err(io_err("read", &path))?;
+        let text = match std::fs::read_to_string(&path) {
+            Ok(t) => t,
+            // Its process ended cleanly between the listing and now, and removed its
+            // own record: nothing of it is left to clean.
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(io_err("read", &path)(e)),
+        };
         let rec: Record = serde_json::from_str(&text).map_err(|e| ServeError::Invalid {
             path: path.clone(),
             msg: format!("not a vabc record: {e}"),
