@@ -70,11 +70,21 @@ fn reverse(code: u16, len: u32) -> u16 {
     code.reverse_bits() >> (16 - len)
 }
 
-/// A decoding table: indexed by the next `max_bits` bits of the stream, it gives the
-/// symbol whose code they start with.
+/// Codes of at most this many bits decode by one table lookup; longer ones by
+/// walking the canonical code. The table costs its size to build for every dynamic
+/// block, and a crafted stream can hold a block per few bytes: 2^10 entries keep
+/// that small where 2^15 (the longest code) would not.
+const PRIMARY: u32 = 10;
+
+/// Decodes a canonical code: the next bits of the stream give the symbol whose code
+/// they start with.
 pub(crate) struct Decoder {
-    /// Symbol + 1 (0: no code starts so).
+    /// Symbol + 1 (0: no code of at most `PRIMARY` bits starts so).
     table: Vec<u16>,
+    /// Codes of each length.
+    count: [u16; 16],
+    /// Symbols in canonical order (by code length, then symbol).
+    sorted: Vec<u16>,
     pub(crate) lens: Vec<u8>,
     pub(crate) max_bits: u32,
 }
@@ -85,21 +95,24 @@ impl Decoder {
     /// patterns decode to nothing.
     pub(crate) fn new(lens: &[u8]) -> Option<Decoder> {
         let mut kraft = 0u32;
+        let mut count = [0u16; 16];
         for &l in lens {
             if l > 15 {
                 return None;
             }
             if l > 0 {
                 kraft += 1 << (15 - l);
+                count[usize::from(l)] += 1;
             }
         }
         if kraft > 1 << 15 {
             return None;
         }
         let (codes, max_bits) = reversed_codes(lens)?;
-        let mut table = vec![0u16; 1 << max_bits];
+        let p = max_bits.min(PRIMARY);
+        let mut table = vec![0u16; 1 << p];
         for (sym, (&l, &c)) in lens.iter().zip(&codes).enumerate() {
-            if l == 0 {
+            if l == 0 || u32::from(l) > p {
                 continue;
             }
             let step = 1usize << l;
@@ -109,19 +122,48 @@ impl Decoder {
                 i += step;
             }
         }
+        let mut offset = [0usize; 16];
+        for l in 1..15 {
+            offset[l + 1] = offset[l] + usize::from(count[l]);
+        }
+        let mut sorted = vec![0u16; lens.iter().filter(|&&l| l > 0).count()];
+        for (sym, &l) in lens.iter().enumerate() {
+            if l > 0 {
+                sorted[offset[usize::from(l)]] = sym as u16;
+                offset[usize::from(l)] += 1;
+            }
+        }
         Some(Decoder {
             table,
+            count,
+            sorted,
             lens: lens.to_vec(),
             max_bits,
         })
     }
 
-    /// The symbol `bits` (the next `max_bits` bits or fewer, zero-extended) start
-    /// with, and its code's length.
+    /// The symbol `bits` (the next `max_bits` bits or fewer, zero-extended, first
+    /// bit lowest) start with, and its code's length.
     pub(crate) fn decode(&self, bits: u32) -> Option<(u16, u32)> {
-        let s = *self.table.get(bits as usize)?;
-        let sym = s.checked_sub(1)?;
-        Some((sym, u32::from(self.lens[usize::from(sym)])))
+        let mask = self.table.len() as u32 - 1;
+        if let Some(sym) = self.table[(bits & mask) as usize].checked_sub(1) {
+            return Some((sym, u32::from(self.lens[usize::from(sym)])));
+        }
+        // A longer code, or none: the canonical walk (codes of one length are
+        // consecutive numbers, each length's first following the last one's).
+        let (mut code, mut first, mut index) = (0i32, 0i32, 0usize);
+        for len in 1..=self.max_bits {
+            code |= ((bits >> (len - 1)) & 1) as i32;
+            let n = i32::from(self.count[len as usize]);
+            if code - first < n {
+                let sym = self.sorted[index + (code - first) as usize];
+                return Some((sym, len));
+            }
+            index += n as usize;
+            first = (first + n) << 1;
+            code <<= 1;
+        }
+        None
     }
 }
 
@@ -170,6 +212,26 @@ mod tests {
             let bits = u32::from(c) | (0b1_0110_1101 << l) & 0x1ff;
             assert_eq!(d.decode(bits), Some((sym as u16, u32::from(l))));
         }
+    }
+
+    #[test]
+    fn long_codes_decode_past_the_table() {
+        // A code with lengths 1..=15 (and two of 15): every symbol decodes from its
+        // code followed by any bits, short codes by the table, long ones by the walk.
+        let mut lens: Vec<u8> = (1..=15).collect();
+        lens.push(15);
+        let d = Decoder::new(&lens).unwrap();
+        let (codes, max) = reversed_codes(&lens).unwrap();
+        assert_eq!(max, 15);
+        for (sym, (&c, &l)) in codes.iter().zip(&lens).enumerate() {
+            for junk in [0u32, 0x7fff, 0x2aaa] {
+                let bits = (u32::from(c) | (junk << l)) & 0x7fff;
+                assert_eq!(d.decode(bits), Some((sym as u16, u32::from(l))), "{sym}");
+            }
+        }
+        // An incomplete code: the unused pattern decodes to nothing.
+        let d = Decoder::new(&[2, 2, 2]).unwrap();
+        assert_eq!(d.decode(0b11), None);
     }
 
     #[test]
