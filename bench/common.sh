@@ -20,6 +20,16 @@ machine() {
 	echo "$(nproc) CPUs ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)), $(free -g | awk '/Mem:/ {print $2}') GiB, Linux $(uname -r)"
 }
 
+# check_number WHAT VALUE: exits with an error naming WHAT unless VALUE is a
+# positive decimal number, so that an empty or failed measurement stops the
+# benchmark instead of becoming a 0 (or a bc syntax error) in its table.
+check_number() {
+	if ! [[ $2 =~ ^[0-9]*\.?[0-9]+$ ]] || [ "$(echo "$2 > 0" | bc -l)" != 1 ]; then
+		echo "bench: $1 is '$2', not a measurement; stopping" >&2
+		exit 1
+	fi
+}
+
 # record_results NAME FILE [AREA]: appends FILE to bench/results/AREA.md (default:
 # NAME's area, read-path for the studies) unless RECORD=0; the verdict table in
 # bench/RESULTS.md is edited by hand from it.

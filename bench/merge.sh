@@ -114,7 +114,7 @@ fio_bw() {
 fsync_lat() {
 	fio --name=fs --filename="$WORK/fsync.dat" --size=8M --bs=4k --rw=randwrite --ioengine=psync --direct=1 "${FIO_MEM[@]}" \
 		--fdatasync=1 --number_ios=300 --output-format=json 2>/dev/null |
-		python3 -c "import json,sys; j=json.load(sys.stdin)['jobs'][0]; print(j['sync']['lat_ns']['mean'] / 1e9 + j['write']['lat_ns']['mean'] / 1e9)"
+		python3 -c "import json,sys; j=json.load(sys.stdin)['jobs'][0]; print('%.9f' % (j['sync']['lat_ns']['mean'] / 1e9 + j['write']['lat_ns']['mean'] / 1e9))"
 	rm -f "$WORK/fsync.dat"
 }
 measure_bw() {
@@ -122,7 +122,12 @@ measure_bw() {
 	READ_BW=$(fio_bw read)
 	WRITE_BW=$(fio_bw write)
 	rm -f "$WORK/fio.dat"
+	# Printed as a plain decimal: bc reads no exponent, and a flush under 0.1 ms
+	# would print as 9e-05.
 	FSYNC_S=$(fsync_lat)
+	check_number "fio's sequential read bandwidth" "$READ_BW"
+	check_number "fio's sequential write bandwidth" "$WRITE_BW"
+	check_number "fio's write + fdatasync latency" "$FSYNC_S"
 	# Only the measurement the uring ratio uses is listed under the table.
 	[ "${1:-}" = uring ] || return 0
 	BWS+=("$(printf '%.0f/%.0f/%.2f' "$(echo "$READ_BW / 1048576" | bc -l)" "$(echo "$WRITE_BW / 1048576" | bc -l)" "$(echo "$FSYNC_S * 1000" | bc -l)")")
@@ -207,6 +212,7 @@ for pair in $PAIRS; do
 	iops=$(fio --name=rr --filename="$WORK/fio.dat" --size=1G --bs="$bs" --direct=1 --ioengine=io_uring --iodepth=32 "${FIO_MEM[@]}" \
 		--rw=randrw --runtime=4 --time_based --output-format=json 2>/dev/null |
 		python3 -c "import json,sys; j=json.load(sys.stdin)['jobs'][0]; print(int(j['read']['iops'] + j['write']['iops']))")
+	check_number "fio's random read/write IOPS" "$iops"
 	notes+=("$(printf '%s: uring issued %d reads and writes of %d KiB on average; fio random read/write at %d KiB, QD32: %d IOPS, so a request floor of %.2f s; uring took %.2f s (%.2fx)' \
 		"$pair" "$nreq" "$(((br + bw) / nreq / 1024))" "$((bs / 1024))" "$iops" "$(echo "$nreq / $iops" | bc -l)" "$secs" "$(echo "$secs * $iops / $nreq" | bc -l)")")
 	# The write floor: the bytes the uring merge wrote (scratch copies and
